@@ -1,0 +1,1 @@
+"""One room per outside system. Side effects live here and nowhere else."""

@@ -1,0 +1,95 @@
+"""HostRoot: every host path kvcd touches, under an optional prefix (`--root` / KVCD_ROOT).
+
+Passed explicitly everywhere; there are no module-level path globals. With root "/" these are the
+real locations of DESIGN.md's file contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class HostRoot:
+    root: Path = Path("/")
+
+    def __call__(self, absolute: str) -> Path:
+        """Map an absolute host path into the root."""
+        if not absolute.startswith("/"):
+            raise ValueError(f"not an absolute host path: {absolute!r}")
+        return self.root / absolute.lstrip("/")
+
+    # --- configuration (admin over vendor) ---
+    @property
+    def etc(self) -> Path:
+        return self("/etc/kvcd")
+
+    @property
+    def vendor(self) -> Path:
+        return self("/usr/lib/kvcd")
+
+    def instance_dirs(self) -> tuple[Path, Path]:
+        """Native instance directories, highest precedence first."""
+        return (self.etc / "instances", self.vendor / "instances")
+
+    def kvc_conf(self, name: str) -> Path:
+        return self(f"/etc/kvc/{name}.conf")
+
+    def kvc_libs(self, name: str) -> tuple[Path, ...]:
+        """Where a KVC instance library may live, in the order KVC itself searched."""
+        return (
+            self(f"/etc/kvc/lib/kvc/{name}-lib.sh"),
+            self(f"/usr/lib/kvc/{name}-lib.sh"),
+            self(f"/usr/local/lib/kvc/{name}-lib.sh"),
+        )
+
+    @property
+    def main_config(self) -> Path:
+        return self.etc / "kvcd.toml"
+
+    # --- state and runtime ---
+    @property
+    def state(self) -> Path:
+        return self("/var/lib/kvcd")
+
+    @property
+    def module_root(self) -> Path:
+        """The base directory handed to `depmod -b` and `modprobe -d`."""
+        return self.state / "modules"
+
+    def kernel_dir(self, kernel: str) -> Path:
+        return self.module_root / "lib" / "modules" / kernel
+
+    def store(self, instance: str) -> Path:
+        """Extracted module trees of an instance, one directory per version and kernel."""
+        return self.state / "store" / instance
+
+    def state_file(self, instance: str) -> Path:
+        return self.state / "instances" / f"{instance}.json"
+
+    @property
+    def runtime(self) -> Path:
+        return self("/run/kvcd")
+
+    def force_file(self, instance: str) -> Path:
+        return self.runtime / f"{instance}.force"
+
+    def pid_file(self, instance: str) -> Path:
+        return self.runtime / f"{instance}.pid"
+
+    # --- the running kernel ---
+    @property
+    def sys_module(self) -> Path:
+        return self("/sys/module")
+
+    def system_modules(self, kernel: str) -> Path:
+        return self(f"/lib/modules/{kernel}")
+
+    @property
+    def boot_id(self) -> Path:
+        return self("/proc/sys/kernel/random/boot_id")
+
+    @property
+    def osrelease(self) -> Path:
+        return self("/proc/sys/kernel/osrelease")

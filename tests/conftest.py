@@ -1,0 +1,91 @@
+"""Shared fixtures.
+
+Unit tests (everything outside tests/integration and tests/e2e) must never touch the real host:
+the autouse guard makes kvcd.host.run refuse any command that is not a fake placed in the test's
+own bin directory by the `fake_commands` fixture, and refuses raw subprocess use outright.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvcd.host import run as runmod
+
+
+def _is_unit(request: pytest.FixtureRequest) -> bool:
+    p = Path(str(request.node.fspath))
+    return "integration" not in p.parts and "e2e" not in p.parts
+
+
+class FakeCommands:
+    """Recording stubs on PATH: each call appends its argv (one JSON line) to calls.log."""
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.log = bindir / "calls.log"
+
+    def add(self, name: str, script: str = "exit 0\n") -> Path:
+        path = self.bindir / name
+        path.write_text(
+            "#!/bin/bash\n"
+            'python3 -c \'import json,sys; print(json.dumps(sys.argv[1:]))\' '
+            f'"{name}" "$@" >> "{self.log}"\n' + script
+        )
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        return path
+
+    def calls(self) -> list[list[str]]:
+        import json
+
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+
+@pytest.fixture
+def fake_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeCommands:
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    fakes = FakeCommands(bindir)
+    monkeypatch.setattr(runmod, "guard", _only_under(bindir))
+    return fakes
+
+
+def _only_under(bindir: Path):  # type: ignore[no-untyped-def]
+    def guard(argv: Sequence[str], exe: str) -> None:
+        if Path(exe).resolve().parent != bindir.resolve():
+            pytest.fail(f"unit test ran a real command: {list(argv)} ({exe})")
+
+    return guard
+
+
+def _refuse(argv: Sequence[str], exe: str) -> None:
+    pytest.fail(f"unit test ran a real command: {list(argv)} ({exe})")
+
+
+@pytest.fixture(autouse=True)
+def _no_real_commands(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if not _is_unit(request):
+        yield
+        return
+    monkeypatch.setattr(runmod, "guard", _refuse)
+    real_popen_init = subprocess.Popen.__init__
+    allowed: list[Path] = []
+
+    def popen_init(self, args, *a, **kw):  # type: ignore[no-untyped-def]
+        exe = Path(str(args[0] if isinstance(args, (list, tuple)) else args))
+        # Only fakes installed by fake_commands (the guard has already vetted them) may start.
+        if not (exe.is_absolute() and exe.parent.name == "fakebin"):
+            pytest.fail(f"unit test started a real process: {args!r}")
+        return real_popen_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
+    del allowed
+    yield
