@@ -1,0 +1,1 @@
+"""Instance configuration: files -> frozen dataclasses, validated. Reads files; runs nothing."""
