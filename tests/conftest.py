@@ -24,7 +24,10 @@ def _is_unit(request: pytest.FixtureRequest) -> bool:
 
 
 class FakeCommands:
-    """Recording stubs on PATH: each call appends its argv (one JSON line) to calls.log."""
+    """Recording stubs on PATH: each call appends its argv to calls.log (pure bash, fast).
+
+    Fields end with US (0x1f), calls with RS (0x1e), so any argv survives the round trip.
+    """
 
     def __init__(self, bindir: Path) -> None:
         self.bindir = bindir
@@ -34,18 +37,16 @@ class FakeCommands:
         path = self.bindir / name
         path.write_text(
             "#!/bin/bash\n"
-            'python3 -c \'import json,sys; print(json.dumps(sys.argv[1:]))\' '
-            f'"{name}" "$@" >> "{self.log}"\n' + script
+            f"{{ printf '%s\\x1f' {name} \"$@\"; printf '\\x1e'; }} >> '{self.log}'\n" + script
         )
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         return path
 
     def calls(self) -> list[list[str]]:
-        import json
-
         if not self.log.exists():
             return []
-        return [json.loads(line) for line in self.log.read_text().splitlines()]
+        records = self.log.read_text().split("\x1e")[:-1]
+        return [r.split("\x1f")[:-1] for r in records]
 
 
 @pytest.fixture
@@ -71,13 +72,14 @@ def _refuse(argv: Sequence[str], exe: str) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _no_real_commands(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _no_real_commands(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     if not _is_unit(request):
         yield
         return
     monkeypatch.setattr(runmod, "guard", _refuse)
     real_popen_init = subprocess.Popen.__init__
-    allowed: list[Path] = []
 
     def popen_init(self, args, *a, **kw):  # type: ignore[no-untyped-def]
         exe = Path(str(args[0] if isinstance(args, (list, tuple)) else args))
@@ -87,5 +89,4 @@ def _no_real_commands(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
         return real_popen_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
-    del allowed
     yield

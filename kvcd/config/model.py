@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcd.core.types import ModuleSpec
+
+__all__ = ["BuildSource", "ConfigError", "InstanceConfig", "ModuleSpec", "Settings", "tag_safe"]
+
 
 class ConfigError(Exception):
     """A config file is wrong. The message names the file, the line when known, and the key."""
@@ -15,19 +19,6 @@ class ConfigError(Exception):
         self.detail = message
         where = f"{self.path}:{line}" if line else str(self.path)
         super().__init__(f"{where}: {message}")
-
-
-@dataclass(frozen=True)
-class ModuleSpec:
-    """One kernel module of an instance, in load order, with its parameters."""
-
-    name: str
-    params: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def kernel_name(self) -> str:
-        """The name the kernel uses in /sys/module (dashes become underscores)."""
-        return self.name.replace("-", "_")
 
 
 @dataclass(frozen=True)

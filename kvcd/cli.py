@@ -1,0 +1,234 @@
+"""`kvcd [--root DIR] <verb> …`: parse argv, dispatch, return the exit code. Nothing else here.
+
+Exit codes: 0 ok, 1 failed, 2 bad usage or bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+log = logging.getLogger("kvcd")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"kvcd: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvcd", description="Deliver out-of-tree kernel modules through driver containers."
+    )
+    p.add_argument(
+        "--root",
+        default=os.environ.get("KVCD_ROOT", "/"),
+        help="prefix every host path with DIR (default: $KVCD_ROOT or /)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def instance_verb(
+        name: str, help_text: str, *, dry_run: bool = False, kernel: bool = False
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text)
+        sp.add_argument("instance", metavar="NAME")
+        if kernel:
+            sp.add_argument(
+                "--kernel", metavar="KVER", help="kernel release (default: the running one)"
+            )
+        if dry_run:
+            sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+        return sp
+
+    instance_verb("run", "run as the kvcd@NAME.service main process")
+    instance_verb(
+        "build",
+        "build (or pull) the driver image and extract its modules",
+        dry_run=True,
+        kernel=True,
+    )
+    instance_verb(
+        "load", "build if needed, then load and verify the modules", dry_run=True, kernel=True
+    )
+    instance_verb(
+        "unload", "unload the modules in reverse order and verify they are gone", dry_run=True
+    )
+    rl = instance_verb("reload", "ask the running kvcd@NAME to re-read its config and reconcile")
+    rl.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
+    st = sub.add_parser("status", help="state of every instance (or one)")
+    st.add_argument("instance", metavar="NAME", nargs="?")
+    st.add_argument("--json", action="store_true")
+    cc = sub.add_parser("check-config", help="validate instance configuration offline")
+    grp = cc.add_mutually_exclusive_group(required=True)
+    grp.add_argument("instance", metavar="NAME", nargs="?")
+    grp.add_argument("--all", action="store_true")
+    cc.add_argument("--kernel", metavar="KVER")
+    wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
+    wr.add_argument("instance", metavar="NAME")
+    wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
+    wr.add_argument("--kernel", metavar="KVER")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from kvcd.host.journal import setup_logging
+    from kvcd.host.paths import HostRoot
+
+    setup_logging(args.verbose, getattr(args, "instance", None))
+    root = HostRoot(Path(args.root))
+    if args.verb == "status":
+        return _status(root, args.instance, args.json)
+    from kvcd.config.model import ConfigError
+
+    try:
+        return _dispatch(root, args)
+    except ConfigError as exc:
+        print(f"kvcd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _status(root: object, only: str | None, as_json: bool) -> int:
+    from kvcd.daemon.status import collect, render
+
+    entries = collect(root, only)  # type: ignore[arg-type]
+    if as_json:
+        print(json.dumps({"instances": entries}, indent=2, sort_keys=True))
+    else:
+        print(render(entries))
+    return EXIT_OK
+
+
+def _kernel(root: object, args: argparse.Namespace) -> str:
+    from kvcd.daemon.instance import running_kernel
+
+    return getattr(args, "kernel", None) or running_kernel(root)  # type: ignore[arg-type]
+
+
+def _dispatch(root: object, args: argparse.Namespace) -> int:
+    from kvcd.config.loader import list_instances, load_instance, load_settings
+    from kvcd.core.state import StepFailed
+    from kvcd.daemon.instance import Instance
+    from kvcd.host.paths import HostRoot
+
+    assert isinstance(root, HostRoot)
+    verb = args.verb
+    if verb == "check-config":
+        return _check_config(
+            root, list_instances(root) if args.all else [args.instance], args.kernel
+        )
+    if verb == "run":
+        from kvcd.daemon.service import Service
+        from kvcd.host.systemd import Notifier
+
+        return Service(root, args.instance, _kernel(root, args), Notifier.from_environ()).run()
+    if verb == "reload":
+        from kvcd.daemon.control import request_reload
+
+        return request_reload(root, args.instance, args.timeout)
+    cfg = load_instance(root, args.instance)
+    if verb == "wrapper":
+        from kvcd.daemon.control import wrapper
+
+        return wrapper(root, load_settings(root), cfg, _kernel(root, args), args.command)
+    progress = _Progress()
+    inst = Instance(
+        root,
+        load_settings(root),
+        cfg,
+        _kernel(root, args),
+        on_step=progress.step,
+        on_build_line=progress.line,
+    )
+    if args.dry_run:
+        for line in inst.plan(verb).describe():
+            print(line)
+        return EXIT_OK
+    try:
+        inst.apply(verb)
+    except StepFailed as exc:
+        progress.done()
+        print(f"kvcd: {cfg.name}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    progress.done()
+    return EXIT_OK
+
+
+def _check_config(root: object, names: list[str], kernel: str | None) -> int:
+    from kvcd.config.loader import load_instance, load_settings
+    from kvcd.config.model import ConfigError
+    from kvcd.daemon.instance import Instance
+
+    if not names:
+        print("no instances configured")
+        return EXIT_OK
+    bad = 0
+    for name in names:
+        try:
+            cfg = load_instance(root, name)  # type: ignore[arg-type]
+            settings = load_settings(root)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            print(f"{name}: INVALID: {exc}")
+            bad += 1
+            continue
+        print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
+        print(
+            f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}"
+        )
+        if kernel is None:
+            try:
+                kernel = _kernel(root, argparse.Namespace())
+            except RuntimeError:
+                kernel = None
+        if kernel:
+            inst = Instance(root, settings, cfg, kernel)  # type: ignore[arg-type]
+            print(f"  plan for {kernel}:")
+            for line in inst.plan("load").describe():
+                print(f"    {line}")
+    return EXIT_USAGE if bad else EXIT_OK
+
+
+class _Progress:
+    """Build output: one live line on a terminal, plain log lines (the journal) otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self._live = False
+
+    def step(self, text: str) -> None:
+        self.done()
+        if self.tty:
+            print(f"kvcd: {text}", file=sys.stderr)
+
+    def line(self, text: str) -> None:
+        text = text.rstrip()
+        if not text:
+            return
+        if self.tty:
+            width = max(20, os.get_terminal_size(sys.stderr.fileno()).columns - 1)
+            sys.stderr.write("\r\x1b[K" + text[:width])
+            sys.stderr.flush()
+            self._live = True
+        else:
+            log.info("%s", text)
+
+    def done(self) -> None:
+        if self._live:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self._live = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

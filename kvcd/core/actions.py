@@ -1,0 +1,102 @@
+"""The steps a plan is made of. Each describes itself for `--dry-run` and logs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class AcquireImage:
+    """Make `tag` exist: pull `pull_ref` if given, else (or if that fails) build from `context`."""
+
+    tag: str
+    pull_ref: str | None
+    context: str | None
+
+    def describe(self) -> str:
+        if self.pull_ref and self.context:
+            return (
+                f"pull {self.pull_ref} as {self.tag} (build from {self.context} if the pull fails)"
+            )
+        if self.pull_ref:
+            return f"pull {self.pull_ref} as {self.tag}"
+        return f"build {self.tag} from {self.context}"
+
+
+@dataclass(frozen=True)
+class Extract:
+    """Copy the module files of `tag` (at path_in_image) into the store for version/kernel."""
+
+    tag: str
+    path_in_image: str
+    version: str
+    kernel: str
+
+    def describe(self) -> str:
+        where = f"({self.version}, {self.kernel})"
+        return f"extract {self.path_in_image} of {self.tag} into the store {where}"
+
+
+@dataclass(frozen=True)
+class Activate:
+    """Point the module root's extra/<instance> at the stored version and run depmod."""
+
+    version: str
+    kernel: str
+
+    def describe(self) -> str:
+        return (
+            f"activate version {self.version} in the module root for {self.kernel} and run depmod"
+        )
+
+
+@dataclass(frozen=True)
+class Load:
+    module: str
+    params: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        args = "".join(f" {k}={v}" for k, v in self.params)
+        return f"load {self.module}{args} and verify it in /sys/module"
+
+
+@dataclass(frozen=True)
+class Unload:
+    module: str
+
+    def describe(self) -> str:
+        return f"unload {self.module} and verify it is gone"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Call a function of the instance's KVC <name>-lib.sh (root-owned code) in bash."""
+
+    function: str
+
+    def describe(self) -> str:
+        return f"run {self.function} from the instance's KVC library"
+
+
+@dataclass(frozen=True)
+class Verify:
+    """Check /sys/module: every module loaded (loaded=True) or none of them (False)."""
+
+    modules: tuple[str, ...]
+    loaded: bool
+
+    def describe(self) -> str:
+        what = "loaded" if self.loaded else "gone"
+        return f"verify {', '.join(self.modules)} {what}"
+
+
+@dataclass(frozen=True)
+class CollectImages:
+    keep: int
+
+    def describe(self) -> str:
+        return f"remove all but the newest {self.keep} images of this instance"
+
+
+Action = Union[AcquireImage, Extract, Activate, Load, Unload, Hook, Verify, CollectImages]

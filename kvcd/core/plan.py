@@ -1,0 +1,132 @@
+"""plan(desired, observed) -> Plan. Pure: the same inputs always give the same steps.
+
+The planner never asks the host anything; the daemon observes, the planner decides, the executor
+applies. A plan is data, so `--dry-run` prints it and the tests compare it to tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcd.core.actions import (
+    AcquireImage,
+    Action,
+    Activate,
+    CollectImages,
+    Extract,
+    Hook,
+    Load,
+    Unload,
+    Verify,
+)
+from kvcd.core.types import Desired, ModState, Observed
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...] = ()
+    # Set when the plan must not run at all; the reason says why (and names the holders).
+    blocked: str | None = None
+    # The version to go back to if applying the plan fails part way.
+    rollback_to: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def describe(self) -> list[str]:
+        if self.blocked:
+            return [f"blocked: {self.blocked}"]
+        if not self.actions:
+            return ["nothing to do"]
+        return [a.describe() for a in self.actions]
+
+
+def _names(d: Desired) -> tuple[str, ...]:
+    return tuple(m.kernel_name for m in d.modules)
+
+
+def _matches(d: Desired, o: Observed, name: str, st: ModState) -> bool:
+    """Is the loaded module `name` the one the desired version provides?"""
+    want = o.stored_srcversion.get(name)
+    if want and st.srcversion:
+        return want == st.srcversion
+    return o.active == d.version
+
+
+def in_use(d: Desired, o: Observed) -> str | None:
+    """Why the instance's loaded modules cannot all be unloaded now, or None when they can.
+
+    References held by the instance's own modules do not count: they go first, in reverse order.
+    """
+    ours = set(_names(d))
+    problems = []
+    for name in reversed(_names(d)):
+        st = o.loaded.get(name)
+        if st is None:
+            continue
+        foreign = [h for h in st.holders if h not in ours]
+        extra_refs = st.refcnt - sum(1 for h in st.holders if h in ours)
+        if foreign:
+            problems.append(f"{name} is held by {', '.join(sorted(foreign))} (refcnt {st.refcnt})")
+        elif extra_refs > 0:
+            problems.append(f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)")
+    return "; ".join(problems) or None
+
+
+def plan_build(d: Desired, o: Observed) -> Plan:
+    """Make the desired version's modules ready in the store: no loading."""
+    if d.hooks:
+        return Plan((Hook("build_kmods"),))
+    if d.version in o.stored:
+        return Plan()
+    return Plan(
+        (
+            AcquireImage(d.image_tag, d.pull_ref, d.build_context),
+            Extract(d.image_tag, d.path_in_image, d.version, d.kernel),
+            CollectImages(d.keep_images),
+        )
+    )
+
+
+def plan_load(d: Desired, o: Observed) -> Plan:
+    """Everything needed to have exactly the desired version loaded and verified."""
+    names = _names(d)
+    loaded_ok = [n for n in names if n in o.loaded and _matches(d, o, n, o.loaded[n])]
+    if d.hooks:
+        if len(loaded_ok) == len(names):
+            return Plan((Verify(names, loaded=True),))
+        return Plan((Hook("build_kmods"), Hook("load_kmods"), Verify(names, loaded=True)))
+
+    stale = [n for n in names if n in o.loaded and n not in loaded_ok]
+    ready = o.active == d.version and o.depmod_current
+    if not stale and ready and len(loaded_ok) == len(names):
+        return Plan((Verify(names, loaded=True),))
+
+    actions: list[Action] = list(plan_build(d, o).actions)
+    rollback_to = None
+    if stale:
+        blocked = in_use(d, o)
+        if blocked:
+            return Plan(blocked=f"cannot replace the loaded version: {blocked}")
+        # Out with everything of ours that is loaded, in reverse order, before the swap.
+        actions += [Unload(n) for n in reversed(names) if n in o.loaded]
+        rollback_to = o.active if o.active != d.version else None
+        loaded_ok = []
+    if not ready:
+        actions.append(Activate(d.version, d.kernel))
+    actions += [Load(m.kernel_name, m.params) for m in d.modules if m.kernel_name not in loaded_ok]
+    actions.append(Verify(names, loaded=True))
+    return Plan(tuple(actions), rollback_to=rollback_to)
+
+
+def plan_unload(d: Desired, o: Observed) -> Plan:
+    """Unload the instance's modules in reverse order; refuse up front if any is held."""
+    names = _names(d)
+    if not any(n in o.loaded for n in names):
+        return Plan((Verify(names, loaded=False),))
+    blocked = in_use(d, o)
+    if blocked:
+        return Plan(blocked=blocked)
+    if d.hooks:
+        return Plan((Hook("unload_kmods"), Verify(names, loaded=False)))
+    steps: list[Action] = [Unload(n) for n in reversed(names) if n in o.loaded]
+    steps.append(Verify(names, loaded=False))
+    return Plan(tuple(steps))

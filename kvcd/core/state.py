@@ -1,0 +1,71 @@
+"""Instance states and the stable vocabulary of reasons operators grep and script against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DONE = "Done"
+WORKING = "Working"
+DEGRADED = "Degraded"
+STATES = (DONE, WORKING, DEGRADED)
+
+# Reason codes: the first word of every reason. Stable; add, never rename.
+CONFIG_INVALID = "ConfigInvalid"
+PODMAN_UNAVAILABLE = "PodmanUnavailable"
+PULL_FAILED = "PullFailed"
+BUILD_FAILED = "BuildFailed"
+EXTRACT_FAILED = "ExtractFailed"
+WRONG_KERNEL = "WrongKernel"
+KERNEL_TREE_MISSING = "KernelTreeMissing"
+DEPMOD_FAILED = "DepmodFailed"
+LOAD_FAILED = "LoadFailed"
+UNLOAD_FAILED = "UnloadFailed"
+MODULE_IN_USE = "ModuleInUse"
+VERIFY_FAILED = "VerifyFailed"
+HOOK_FAILED = "HookFailed"
+REASONS = (
+    CONFIG_INVALID,
+    PODMAN_UNAVAILABLE,
+    PULL_FAILED,
+    BUILD_FAILED,
+    EXTRACT_FAILED,
+    WRONG_KERNEL,
+    KERNEL_TREE_MISSING,
+    DEPMOD_FAILED,
+    LOAD_FAILED,
+    UNLOAD_FAILED,
+    MODULE_IN_USE,
+    VERIFY_FAILED,
+    HOOK_FAILED,
+)
+
+# Annotations and status lines stay readable; the journal keeps the whole story.
+MAX_REASON = 512
+
+
+class StepFailed(Exception):
+    """A step could not be applied. `transient` failures are retried with backoff."""
+
+    def __init__(self, code: str, detail: str, *, transient: bool = False) -> None:
+        if code not in REASONS:
+            raise ValueError(f"unknown reason code {code!r}")
+        self.code = code
+        self.detail = detail
+        self.transient = transient
+        super().__init__(reason_text(code, detail))
+
+
+def reason_text(code: str, detail: str) -> str:
+    text = f"{code}: {detail}" if detail else code
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 1] + "…"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Retry delays for transient failures: doubling from `first`, capped at `cap` seconds."""
+
+    first: float = 2.0
+    cap: float = 300.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.cap, self.first * (2 ** max(0, attempt)))

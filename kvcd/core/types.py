@@ -1,0 +1,61 @@
+"""Plain data shared by the core and the layers above it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One kernel module of an instance, in load order, with its parameters."""
+
+    name: str
+    params: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def kernel_name(self) -> str:
+        """The name the kernel uses in /sys/module (dashes become underscores)."""
+        return self.name.replace("-", "_")
+
+
+@dataclass(frozen=True)
+class ModState:
+    """What /sys/module says about one module."""
+
+    refcnt: int = 0
+    holders: tuple[str, ...] = ()
+    srcversion: str | None = None
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What the instance asks for, on one kernel."""
+
+    instance: str
+    version: str
+    kernel: str
+    modules: tuple[ModuleSpec, ...]
+    image_tag: str
+    path_in_image: str
+    pull_ref: str | None = None
+    build_context: str | None = None
+    # A KVC instance with a root-owned <name>-lib.sh: its functions replace the native steps.
+    hooks: bool = False
+    keep_images: int = 3
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the host looks like now, for one instance on one kernel."""
+
+    kernel: str
+    # Versions whose modules are extracted in kvcd's store for this kernel.
+    stored: frozenset[str] = frozenset()
+    # The version extra/<instance> points at in the module root, and whether depmod has seen it.
+    active: str | None = None
+    depmod_current: bool = False
+    # Instance modules the kernel has loaded (by kernel name).
+    loaded: Mapping[str, ModState] = field(default_factory=dict)
+    # srcversion of each module file of the desired version in the store, when known.
+    stored_srcversion: Mapping[str, str] = field(default_factory=dict)

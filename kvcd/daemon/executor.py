@@ -1,0 +1,341 @@
+"""Apply a plan's steps with the host rooms, in order; on failure undo this attempt's changes.
+
+Rollback promise: modules this attempt loaded are unloaded again, the module root goes back to the
+version that was active before, and the modules this attempt unloaded are loaded again, so a failed
+upgrade leaves the previous good version running. The failure is re-raised as StepFailed with
+what was rolled back appended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcd.config.model import InstanceConfig
+from kvcd.core import state
+from kvcd.core.actions import (
+    AcquireImage,
+    Action,
+    Activate,
+    CollectImages,
+    Extract,
+    Hook,
+    Load,
+    Unload,
+    Verify,
+)
+from kvcd.core.plan import Plan
+from kvcd.core.state import StepFailed
+from kvcd.core.types import Desired
+from kvcd.daemon.observe import MANIFEST, store_dir
+from kvcd.host import files, hooks, journal, kmod
+from kvcd.host.paths import HostRoot
+from kvcd.host.run import CommandError
+
+if TYPE_CHECKING:
+    from kvcd.host.podman import Podman
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Attempt:
+    """What this attempt changed, so it can be undone."""
+
+    loaded: list[str] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
+    previous_store: Path | None = None
+    activated: bool = False
+
+
+class Executor:
+    def __init__(
+        self,
+        root: HostRoot,
+        cfg: InstanceConfig,
+        desired: Desired,
+        podman: Callable[[], Podman],
+        on_step: Callable[[str], None] = lambda _s: None,
+        on_build_line: Callable[[str], None] = lambda _s: None,
+    ) -> None:
+        self.root = root
+        self.cfg = cfg
+        self.d = desired
+        self._podman_factory = podman
+        self._podman: Podman | None = None
+        self.on_step = on_step
+        self.on_build_line = on_build_line
+        self.fields = {
+            "KVCD_INSTANCE": cfg.name,
+            "KVCD_KERNEL": desired.kernel,
+            "KVCD_VERSION": cfg.version,
+        }
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def podman(self) -> Podman:
+        if self._podman is None:
+            self._podman = self._podman_factory()
+        return self._podman
+
+    def _event(self, level: int, message_id: str, msg: str, *args: object) -> None:
+        log.log(level, msg, *args, extra={**self.fields, "MESSAGE_ID": message_id})
+
+    def _params(self, name: str) -> tuple[tuple[str, str], ...]:
+        for m in self.cfg.modules:
+            if m.kernel_name == name:
+                return m.params
+        return ()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def apply(self, plan: Plan) -> None:
+        if plan.blocked:
+            raise StepFailed(state.MODULE_IN_USE, plan.blocked)
+        attempt = Attempt()
+        for action in plan.actions:
+            self.on_step(action.describe())
+            log.info("step: %s", action.describe(), extra=self.fields)
+            try:
+                self._apply(action, attempt)
+            except StepFailed as exc:
+                undone = self._rollback(attempt)
+                if undone:
+                    raise StepFailed(
+                        exc.code, f"{exc.detail} ({undone})", transient=exc.transient
+                    ) from exc
+                raise
+
+    def _apply(self, a: Action, attempt: Attempt) -> None:
+        if isinstance(a, AcquireImage):
+            self._acquire(a)
+        elif isinstance(a, Extract):
+            self._extract(a)
+        elif isinstance(a, Activate):
+            self._activate(a, attempt)
+        elif isinstance(a, Load):
+            self._load(a.module, a.params)
+            attempt.loaded.append(a.module)
+        elif isinstance(a, Unload):
+            self._unload(a.module)
+            attempt.unloaded.append(a.module)
+        elif isinstance(a, Hook):
+            self._hook(a.function)
+        elif isinstance(a, Verify):
+            self._verify(a.modules, a.loaded)
+        elif isinstance(a, CollectImages):
+            self._collect(a.keep)
+
+    # -- images --------------------------------------------------------------------------------
+    def _acquire(self, a: AcquireImage) -> None:
+        from kvcd.host.podman import BuildSpec, PodmanError, PodmanUnavailable
+
+        try:
+            if self.podman.get_image(a.tag) is not None:
+                log.info("image %s is cached; no build", a.tag, extra=self.fields)
+                return
+            if a.pull_ref:
+                try:
+                    self.podman.pull(a.pull_ref, a.tag)
+                    log.info("pulled %s as %s", a.pull_ref, a.tag, extra=self.fields)
+                    return
+                except PodmanError as exc:
+                    if not a.context:
+                        raise StepFailed(state.PULL_FAILED, f"{a.pull_ref}: {exc}") from exc
+                    log.warning(
+                        "pull of %s failed (%s); building instead",
+                        a.pull_ref,
+                        exc,
+                        extra=self.fields,
+                    )
+            assert a.context is not None  # the config loader requires build or image
+            build = self.cfg.build
+            spec = BuildSpec(
+                context=a.context,
+                containerfile=build.containerfile if build else "Containerfile",
+                tag=a.tag,
+                build_args={
+                    **dict(build.args if build else ()),
+                    "KVER": self.d.kernel,
+                    "KMODVER": self.cfg.version,
+                },
+                labels={
+                    "io.kvcd.instance": self.cfg.name,
+                    "io.kvcd.version": self.cfg.version,
+                    "io.kvcd.kernel": self.d.kernel,
+                },
+            )
+            self._event(
+                logging.INFO,
+                journal.MSG_BUILD_STARTED,
+                "build of %s started from %s",
+                a.tag,
+                a.context,
+            )
+            try:
+                self.podman.build(spec, self.on_build_line)
+            except PodmanError as exc:
+                self._event(
+                    logging.ERROR, journal.MSG_BUILD_FAILED, "build of %s failed: %s", a.tag, exc
+                )
+                raise StepFailed(state.BUILD_FAILED, str(exc)) from exc
+            self._event(logging.INFO, journal.MSG_BUILD_FINISHED, "build of %s finished", a.tag)
+        except PodmanUnavailable as exc:
+            raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
+
+    def _extract(self, a: Extract) -> None:
+        from kvcd.host.podman import PodmanError, PodmanUnavailable
+
+        dest = store_dir(self.root, self.cfg.name, a.version, a.kernel)
+        if dest.exists():  # an earlier extraction that never got its manifest
+            shutil.rmtree(dest)
+        try:
+            found = self.podman.extract(a.tag, a.path_in_image, dest)
+        except PodmanUnavailable as exc:
+            raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
+        except PodmanError as exc:
+            raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
+        try:
+            manifest = self._manifest(dest, found, a)
+        except StepFailed:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        files.write_json(dest / MANIFEST, manifest)
+
+    def _manifest(self, dest: Path, found: list[Path], a: Extract) -> dict[str, Any]:
+        by_name: dict[str, Path] = {}
+        for path in found:
+            by_name[path.name.split(".ko")[0].replace("-", "_")] = path
+        missing = [m.kernel_name for m in self.cfg.modules if m.kernel_name not in by_name]
+        if missing:
+            raise StepFailed(
+                state.EXTRACT_FAILED,
+                f"{a.tag} has no {', '.join(m + '.ko' for m in missing)} under {a.path_in_image}"
+                f" (found: {', '.join(sorted(p.name for p in found)) or 'nothing'})",
+            )
+        modules: dict[str, Any] = {}
+        for name, path in sorted(by_name.items()):
+            try:
+                info = kmod.modinfo(path)
+            except kmod.KmodError as exc:
+                raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
+            vermagic = (info.get("vermagic") or [""])[0].split(" ")[0]
+            if name in {m.kernel_name for m in self.cfg.modules} and vermagic != a.kernel:
+                raise StepFailed(
+                    state.WRONG_KERNEL,
+                    f"{path.name} in {a.tag} was built for {vermagic or 'an unknown kernel'}, "
+                    f"not {a.kernel}",
+                )
+            modules[name] = {
+                "file": str(path.relative_to(dest)),
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "mode": path.stat().st_mode & 0o7777,
+                "srcversion": (info.get("srcversion") or [None])[0],
+                "version": (info.get("version") or [None])[0],
+                "vermagic": vermagic,
+            }
+        return {"version": a.version, "kernel": a.kernel, "image": a.tag, "modules": modules}
+
+    def _collect(self, keep: int) -> None:
+        from kvcd.host.podman import PodmanError, PodmanUnavailable
+
+        try:
+            removed = self.podman.gc(self.cfg.name, keep, protect=())
+        except (PodmanError, PodmanUnavailable) as exc:  # housekeeping never fails a load
+            log.warning("image garbage collection failed: %s", exc, extra=self.fields)
+            return
+        for img in removed:
+            log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
+
+    # -- module root and kernel ----------------------------------------------------------------
+    def _activate(self, a: Activate, attempt: Attempt) -> None:
+        target = store_dir(self.root, self.cfg.name, a.version, a.kernel)
+        try:
+            kmod.prepare_kernel_tree(self.root, a.kernel)
+            previous = kmod.activate(self.root, a.kernel, self.cfg.name, target)
+        except kmod.KmodError as exc:
+            raise StepFailed(state.KERNEL_TREE_MISSING, str(exc)) from exc
+        if not attempt.activated:
+            attempt.previous_store = previous
+            attempt.activated = True
+        try:
+            kmod.depmod(self.root, a.kernel)
+        except kmod.KmodError as exc:
+            raise StepFailed(state.DEPMOD_FAILED, str(exc)) from exc
+
+    def _load(self, name: str, params: tuple[tuple[str, str], ...]) -> None:
+        try:
+            kmod.load(self.root, self.d.kernel, name, params)
+        except kmod.ModuleLoadError as exc:
+            raise StepFailed(state.LOAD_FAILED, f"{name}: {exc.reason}") from exc
+        self._verify((name,), loaded=True)
+        self._event(logging.INFO, journal.MSG_LOADED, "loaded %s", name)
+
+    def _unload(self, name: str) -> None:
+        try:
+            kmod.unload(self.root, name)
+        except kmod.ModuleInUse as exc:
+            raise StepFailed(state.MODULE_IN_USE, str(exc)) from exc
+        except kmod.KmodError as exc:
+            raise StepFailed(state.UNLOAD_FAILED, str(exc)) from exc
+        self._verify((name,), loaded=False)
+        self._event(logging.INFO, journal.MSG_UNLOADED, "unloaded %s", name)
+
+    def _verify(self, names: tuple[str, ...], loaded: bool) -> None:
+        for name in names:
+            lm = kmod.read_module(self.root, name)
+            if loaded and (lm is None or lm.initstate not in (None, "live")):
+                what = "not in /sys/module" if lm is None else f"in state {lm.initstate}"
+                raise StepFailed(state.VERIFY_FAILED, f"{name} is {what} after loading")
+            if not loaded and lm is not None:
+                raise StepFailed(
+                    state.VERIFY_FAILED, f"{name} is still in /sys/module after unloading"
+                )
+
+    def _hook(self, function: str) -> None:
+        assert self.cfg.kvc_lib is not None
+        env = hooks.hook_env(self.cfg.name, self.d.kernel, self.cfg.kvc_env)
+        try:
+            done = hooks.call(self.cfg.kvc_lib, function, env)
+        except CommandError as exc:
+            raise StepFailed(state.HOOK_FAILED, f"{function} in {self.cfg.kvc_lib}: {exc}") from exc
+        for line in (done.stdout + done.stderr).splitlines():
+            self.on_build_line(line)
+
+    # -- undo ----------------------------------------------------------------------------------
+    def _rollback(self, attempt: Attempt) -> str:
+        """Best effort: every undo step is tried; what could not be undone is reported."""
+        done: list[str] = []
+        failed: list[str] = []
+        for name in reversed(attempt.loaded):
+            try:
+                self._unload(name)
+                done.append(f"unloaded {name}")
+            except StepFailed as exc:
+                failed.append(str(exc))
+        if attempt.activated:
+            try:
+                if attempt.previous_store is None:
+                    kmod.deactivate(self.root, self.d.kernel, self.cfg.name)
+                else:
+                    kmod.activate(self.root, self.d.kernel, self.cfg.name, attempt.previous_store)
+                kmod.depmod(self.root, self.d.kernel)
+                done.append("module root restored")
+            except (OSError, kmod.KmodError) as exc:
+                failed.append(f"restoring the module root: {exc}")
+        for name in reversed(attempt.unloaded):  # unloaded in reverse, so this is load order
+            try:
+                self._load(name, self._params(name))
+                done.append(f"reloaded previous {name}")
+            except StepFailed as exc:
+                failed.append(str(exc))
+        if not done and not failed:
+            return ""
+        text = "rolled back: " + ", ".join(done) if done else ""
+        if failed:
+            text += ("; " if text else "") + "rollback incomplete: " + "; ".join(failed)
+        return text

@@ -1,0 +1,176 @@
+"""One instance: observe -> plan -> apply -> record. Used by `kvcd run` and the one-shot verbs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core import plan as planner
+from kvcd.core import state
+from kvcd.core.plan import Plan
+from kvcd.core.state import StepFailed
+from kvcd.core.types import Desired
+from kvcd.daemon.executor import Executor
+from kvcd.daemon.observe import desired_for, observe
+from kvcd.host import files, journal
+from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:
+    from kvcd.host.podman import Podman
+
+log = logging.getLogger(__name__)
+
+VERBS = {"build": planner.plan_build, "load": planner.plan_load, "unload": planner.plan_unload}
+
+
+def running_kernel(root: HostRoot) -> str:
+    text = files.read_text(root.osrelease)
+    if not text or not text.strip():
+        raise RuntimeError(f"cannot read the running kernel release from {root.osrelease}")
+    return text.strip()
+
+
+def boot_id(root: HostRoot) -> str | None:
+    text = files.read_text(root.boot_id)
+    return text.strip() if text else None
+
+
+@dataclass
+class Record:
+    """The instance's state file (/var/lib/kvcd/instances/<name>.json): what kvcd status shows."""
+
+    instance: str
+    state: str
+    reason: str = ""
+    goal: str = "loaded"
+    version: str = ""
+    kernel: str = ""
+    boot_id: str | None = None
+    modules: list[str] = field(default_factory=list)
+    updated: float = 0.0
+    generation: int = 0
+    pid: int | None = None
+
+    @classmethod
+    def read(cls, root: HostRoot, name: str) -> Record | None:
+        data = files.read_json(root.state_file(name))
+        if not isinstance(data, dict):
+            return None
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        try:
+            return cls(**known)
+        except TypeError:
+            return None
+
+    def write(self, root: HostRoot) -> None:
+        files.write_json(root.state_file(self.instance), asdict(self))
+
+
+class Instance:
+    def __init__(
+        self,
+        root: HostRoot,
+        settings: Settings,
+        cfg: InstanceConfig,
+        kernel: str,
+        *,
+        on_step: Callable[[str], None] = lambda _s: None,
+        on_build_line: Callable[[str], None] = lambda _s: None,
+        podman: Callable[[], Podman] | None = None,
+    ) -> None:
+        self.root = root
+        self.settings = settings
+        self.cfg = cfg
+        self.kernel = kernel
+        self.on_step = on_step
+        self.on_build_line = on_build_line
+        self._podman = podman or self._default_podman
+
+    def _default_podman(self) -> Podman:
+        from kvcd.host.podman import Podman
+
+        return Podman(self.settings.podman_socket)
+
+    @property
+    def desired(self) -> Desired:
+        return desired_for(self.cfg, self.kernel)
+
+    def plan(self, verb: str) -> Plan:
+        d = self.desired
+        return VERBS[verb](d, observe(self.root, d))
+
+    def apply(self, verb: str, *, pid: int | None = None) -> Record:
+        """Plan and apply `verb` under the instance lock; record the outcome; raise StepFailed."""
+        with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
+            previous = Record.read(self.root, self.cfg.name)
+            generation = (previous.generation if previous else 0) + 1
+            plan = self.plan(verb)
+            record = Record(
+                instance=self.cfg.name,
+                state=state.WORKING,
+                goal="unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
+                version=self.cfg.version,
+                kernel=self.kernel,
+                boot_id=boot_id(self.root),
+                modules=[m.kernel_name for m in self.cfg.modules],
+                generation=generation,
+                pid=pid,
+            )
+            changes = [a for a in plan.actions if type(a).__name__ != "Verify"]
+            if changes or plan.blocked:
+                self._record(record, state.WORKING, "")
+            try:
+                Executor(
+                    self.root,
+                    self.cfg,
+                    self.desired,
+                    self._podman,
+                    self.on_step,
+                    self.on_build_line,
+                ).apply(plan)
+            except StepFailed as exc:
+                self._record(record, state.DEGRADED, str(exc))
+                raise
+            self._record(record, state.DONE, "")
+            return record
+
+    def _record(self, record: Record, new_state: str, reason: str) -> None:
+        record.state = new_state
+        record.reason = reason
+        record.updated = time.time()
+        record.write(self.root)
+        fields: dict[str, Any] = {
+            "KVCD_INSTANCE": record.instance,
+            "KVCD_KERNEL": record.kernel,
+            "KVCD_VERSION": record.version,
+            "KVCD_STATE": new_state,
+        }
+        if new_state == state.DEGRADED:
+            log.error("degraded: %s", reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED})
+        else:
+            log.info(
+                "state %s%s",
+                new_state,
+                f" ({record.goal})" if new_state == state.DONE else "",
+                extra=fields,
+            )
+
+
+def record_failure(
+    root: HostRoot, name: str, kernel: str, reason: str, pid: int | None = None
+) -> None:
+    """Write Degraded for an instance that could not even be planned (e.g. its config is bad)."""
+    previous = Record.read(root, name)
+    rec = previous or Record(instance=name, state=state.DEGRADED)
+    rec.state = state.DEGRADED
+    rec.reason = reason
+    rec.kernel = kernel
+    rec.boot_id = boot_id(root)
+    rec.updated = time.time()
+    rec.generation += 1
+    rec.pid = pid
+    rec.write(root)

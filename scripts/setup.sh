@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything a fresh Debian 12 machine needs to build, test and demo kvcd. Idempotent.
+#   scripts/setup.sh            apt packages (when missing) + the project venv in .venv
+# Root is needed for apt; on a machine that already has the packages it is not.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  # podman and what it needs here (runc: crun fails on this host's cgroups)
+  podman buildah skopeo runc busybox-static
+  # kernel module tooling and headers to compile the test modules
+  kmod gcc make libc6-dev linux-headers-amd64
+  # systemd-analyze verify for the unit file
+  systemd
+  # the VM guest for end-to-end tests (make e2e / make demo)
+  qemu-system-x86 qemu-utils debootstrap cpio e2fsprogs
+  # RPM build and lint
+  rpm rpmlint
+  # python venv
+  python3-venv
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.kvcd-deps-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+  .venv/bin/pip install -q -U pip
+  .venv/bin/pip install -q -e '.[dev]'
+  rm -f .venv/.kvcd-deps-*
+  touch "$stamp"
+fi
+echo "setup: ok ($(.venv/bin/python --version), $(podman --version))"

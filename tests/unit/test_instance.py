@@ -1,0 +1,288 @@
+"""The instance flow on a fake host: plan -> executor -> rollback -> state record.
+
+Podman is a recording fake object; depmod/modprobe/rmmod are fake commands on PATH that change a
+fake /sys/module under the HostRoot, so every step's effect is observable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
+from kvcd.core import state
+from kvcd.core.state import StepFailed
+from kvcd.daemon.instance import Instance, Record
+from kvcd.host import kmod
+from kvcd.host.paths import HostRoot
+from kvcd.host.podman import ImageInfo, PodmanError, PodmanUnavailable
+
+K = "6.1.0-56-amd64"
+
+MODPROBE = r"""
+set -e
+sys="$FAKE_ROOT/sys/module"
+args=("$@"); name=""
+for ((i=0; i<${#args[@]}; i++)); do
+  case "${args[$i]}" in -d|-S) i=$((i+1));; -*) ;; *) name="${args[$i]}"; break;; esac
+done
+if grep -qx "$name" "$FAKE_ROOT/fail-load" 2>/dev/null; then
+  echo "modprobe: ERROR: could not insert '$name': Unknown symbol in module (see dmesg)" >&2
+  exit 1
+fi
+mkdir -p "$sys/$name/holders"
+echo live > "$sys/$name/initstate"; echo 0 > "$sys/$name/refcnt"
+"""
+RMMOD = 'rm -r "$FAKE_ROOT/sys/module/$1"\n'
+
+
+class FakePodman:
+    def __init__(self, root: HostRoot, kernel: str) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.images: dict[str, ImageInfo] = {}
+        self.fail_build = False
+        self.unavailable = False
+        self.kernel = kernel
+
+    def _check(self) -> None:
+        if self.unavailable:
+            raise PodmanUnavailable("cannot reach unix:///run/podman/podman.sock")
+
+    def get_image(self, ref: str) -> ImageInfo | None:
+        self._check()
+        return self.images.get(ref)
+
+    def pull(self, ref: str, tag: str) -> ImageInfo:
+        self.calls.append(("pull", ref))
+        raise PodmanError(f"{ref}: not found")
+
+    def build(self, spec: Any, on_line: Callable[[str], None]) -> ImageInfo:
+        self._check()
+        self.calls.append(("build", spec))
+        on_line("STEP 1/2: FROM base")
+        if self.fail_build:
+            raise PodmanError("build failed at STEP 2/2: RUN make: exit status 2")
+        info = ImageInfo(
+            id=f"id{len(self.images)}", tags=(spec.tag,), labels=dict(spec.labels), created=0.0
+        )
+        self.images[spec.tag] = info
+        return info
+
+    def extract(self, ref: str, path: str, dest: Path, patterns: Any = ()) -> list[Path]:
+        self.calls.append(("extract", (ref, path)))
+        dest.mkdir(parents=True)
+        out = []
+        for name in ("kvcd_base", "kvcd_user"):
+            p = dest / f"{name}.ko"
+            p.write_bytes(f"{name} {ref}".encode())
+            out.append(p)
+        return out
+
+    def gc(self, instance: str, keep: int, protect: Any = ()) -> list[ImageInfo]:
+        self.calls.append(("gc", (instance, keep)))
+        return []
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    root = HostRoot(tmp_path / "root")
+    (root.sys_module).mkdir(parents=True)
+    (root.system_modules(K) / "kernel").mkdir(parents=True)
+    (root.system_modules(K) / "modules.builtin").write_text("")
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    monkeypatch.setenv("FAKE_KERNEL", K)
+    fake_commands.add("modprobe", MODPROBE)
+    fake_commands.add("rmmod", RMMOD)
+    # depmod: write a modules.dep naming every extra module, as the real one would.
+    fake_commands.add(
+        "depmod",
+        'd="$2/lib/modules/$3"\n'
+        '(cd "$d" && find -L extra -name "*.ko" | sed "s/$/:/") > "$d/modules.dep"\n',
+    )
+
+    def fake_modinfo(path: Path) -> dict[str, list[str]]:
+        data = path.read_bytes().decode()
+        return {
+            "vermagic": [f"{K} SMP preempt mod_unload"],
+            "srcversion": [str(abs(hash(data)))[:12]],
+        }
+
+    monkeypatch.setattr(kmod, "modinfo", fake_modinfo)
+    return root
+
+
+def config(root: HostRoot, version: str = "1.0", **kw: Any) -> InstanceConfig:
+    return InstanceConfig(
+        name="e2e",
+        source=root("/etc/kvcd/instances/e2e.toml"),
+        version=version,
+        modules=(ModuleSpec("kvcd_base"), ModuleSpec("kvcd_user", (("greeting", "hi"),))),
+        build=BuildSource("/src", "Containerfile", (("EXTRA", "1"),)),
+        **kw,
+    )
+
+
+def instance(root: HostRoot, podman: FakePodman, version: str = "1.0", **kw: Any) -> Instance:
+    return Instance(root, Settings(), config(root, version, **kw), K, podman=lambda: podman)
+
+
+def modprobe_calls(fakes: Any) -> list[list[str]]:
+    return [c[1:] for c in fakes.calls() if c[0] in ("modprobe", "rmmod")]
+
+
+def test_first_load_builds_extracts_activates_and_loads_in_order(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    pod = FakePodman(host, K)
+    rec = instance(host, pod).apply("load")
+    build = next(spec for what, spec in pod.calls if what == "build")
+    assert build.build_args == {"EXTRA": "1", "KVER": K, "KMODVER": "1.0"}
+    assert build.labels == {
+        "io.kvcd.instance": "e2e",
+        "io.kvcd.version": "1.0",
+        "io.kvcd.kernel": K,
+    }
+    assert build.tag == f"localhost/kvcd-e2e-1.0:{K}"
+    root_arg = str(host.module_root)
+    assert modprobe_calls(fake_commands) == [
+        ["-d", root_arg, "-S", K, "kvcd_base"],
+        ["-d", root_arg, "-S", K, "kvcd_user", "greeting=hi"],
+    ]
+    assert (host.sys_module / "kvcd_user").is_dir()
+    assert rec.state == state.DONE
+    saved = json.loads(host.state_file("e2e").read_text())
+    assert saved["state"] == "Done" and saved["version"] == "1.0" and saved["kernel"] == K
+    manifest = json.loads((host.store("e2e") / "1.0" / K / ".kvcd-manifest.json").read_text())
+    assert set(manifest["modules"]) == {"kvcd_base", "kvcd_user"}
+
+
+def test_second_load_touches_nothing_not_even_podman(host: HostRoot, fake_commands: Any) -> None:
+    instance(host, FakePodman(host, K)).apply("load")
+    before = len(fake_commands.calls())
+
+    def no_podman() -> FakePodman:
+        raise AssertionError("podman was contacted although everything is in place")
+
+    inst = Instance(host, Settings(), config(host), K, podman=no_podman)
+    assert inst.plan("load").describe() == ["verify kvcd_base, kvcd_user loaded"]
+    inst.apply("load")
+    assert len(fake_commands.calls()) == before
+
+
+def test_store_survives_image_removal_cached_image_is_reused(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod).apply("load")
+    instance(host, pod).apply("unload")
+    pod.calls.clear()
+    instance(host, pod).apply("load")
+    assert pod.calls == []  # extracted modules are reused: no podman at all
+
+
+def test_upgrade_that_fails_to_load_rolls_back_to_previous_version(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod, "1.0").apply("load")
+    (host.root / "fail-load").write_text("kvcd_user\n")
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod, "2.0").apply("load")
+    assert err.value.code == state.LOAD_FAILED
+    assert "kvcd_user: " in err.value.detail and "Unknown symbol" in err.value.detail
+    assert (
+        "rolled back: unloaded kvcd_base, module root restored, reloaded previous kvcd_base"
+        in err.value.detail
+    )
+    # kvcd_user failed, so it is the one the rollback could not bring back: it is named.
+    assert "rollback incomplete" in err.value.detail
+    assert kmod.active_store(host, K, "e2e") == host.store("e2e") / "1.0" / K
+    rec = Record.read(host, "e2e")
+    assert (
+        rec is not None
+        and rec.state == state.DEGRADED
+        and rec.reason.startswith("LoadFailed: kvcd_user")
+    )
+
+
+def test_upgrade_rollback_restores_previous_modules(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod, "1.0").apply("load")
+    # 2.0's kvcd_base loads, its kvcd_user does not; 1.0's pair must come back.
+    (host.root / "fail-load").write_text("kvcd_user\n")
+    with pytest.raises(StepFailed):
+        instance(host, pod, "2.0").apply("load")
+    (host.root / "fail-load").unlink()
+    assert (host.sys_module / "kvcd_base").is_dir()
+    assert (
+        instance(host, pod, "1.0").plan("load").describe()[-1]
+        == "verify kvcd_base, kvcd_user loaded"
+    )
+
+
+def test_failed_build_leaves_loaded_version_and_images_alone(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod, "1.0").apply("load")
+    pod.fail_build = True
+    calls_before = modprobe_calls(fake_commands)
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod, "2.0").apply("load")
+    assert err.value.code == state.BUILD_FAILED and "RUN make" in err.value.detail
+    assert modprobe_calls(fake_commands) == calls_before  # nothing unloaded or loaded
+    assert (host.sys_module / "kvcd_user").is_dir()
+    assert f"localhost/kvcd-e2e-1.0:{K}" in pod.images
+
+
+def test_unload_in_reverse_order_then_verified(host: HostRoot, fake_commands: Any) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod).apply("load")
+    rec = instance(host, pod).apply("unload")
+    assert [c for c in fake_commands.calls() if c[0] == "rmmod"] == [
+        ["rmmod", "kvcd_user"],
+        ["rmmod", "kvcd_base"],
+    ]
+    assert rec.goal == "unloaded" and rec.state == state.DONE
+    assert not (host.sys_module / "kvcd_base").exists()
+
+
+def test_module_in_use_refuses_unload_and_unloads_nothing(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod).apply("load")
+    (host.sys_module / "kvcd_base" / "holders" / "other_drv").mkdir()
+    (host.sys_module / "kvcd_base" / "refcnt").write_text("1\n")
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod).apply("unload")
+    assert str(err.value) == "ModuleInUse: kvcd_base is held by other_drv (refcnt 1)"
+    assert not [c for c in fake_commands.calls() if c[0] == "rmmod"]
+    assert (host.sys_module / "kvcd_user").is_dir()
+
+
+def test_podman_unreachable_is_transient(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    pod.unavailable = True
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod).apply("load")
+    assert err.value.transient and err.value.code == state.PODMAN_UNAVAILABLE
+    assert "unix:///run/podman/podman.sock" in err.value.detail
+
+
+def test_pull_failure_falls_back_to_build(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    instance(host, pod, image="quay.example/drv:{version}-{kernel}").apply("load")
+    assert [what for what, _ in pod.calls][:2] == ["pull", "build"]
+    assert pod.calls[0][1] == f"quay.example/drv:1.0-{K}"
+
+
+def test_image_without_the_configured_module_is_refused(host: HostRoot) -> None:
+    pod = FakePodman(host, K)
+    cfg = config(host)
+    cfg = InstanceConfig(**{**cfg.__dict__, "modules": (*cfg.modules, ModuleSpec("kvcd_extra"))})
+    with pytest.raises(StepFailed) as err:
+        Instance(host, Settings(), cfg, K, podman=lambda: pod).apply("load")
+    assert err.value.code == state.EXTRACT_FAILED
+    assert "has no kvcd_extra.ko under /lib/modules/" in err.value.detail
+    assert not (host.store("e2e") / "1.0" / K).exists()  # nothing half-written

@@ -1,0 +1,234 @@
+"""The planner as tables: (observed host) -> (exact list of steps)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcd.core.actions import (
+    AcquireImage,
+    Activate,
+    CollectImages,
+    Extract,
+    Hook,
+    Load,
+    Unload,
+    Verify,
+)
+from kvcd.core.plan import plan_build, plan_load, plan_unload
+from kvcd.core.types import Desired, ModState, ModuleSpec, Observed
+
+K = "6.1.0-56-amd64"
+TAG = "localhost/kvcd-e2e-2.0:6.1.0-56-amd64"
+D = Desired(
+    instance="e2e",
+    version="2.0",
+    kernel=K,
+    modules=(ModuleSpec("kvcd_base"), ModuleSpec("kvcd-user", (("greeting", "hi"),))),
+    image_tag=TAG,
+    path_in_image=f"/lib/modules/{K}/",
+    build_context="/src",
+    keep_images=2,
+)
+BOTH = ("kvcd_base", "kvcd_user")
+ACQUIRE = AcquireImage(TAG, None, "/src")
+EXTRACT = Extract(TAG, f"/lib/modules/{K}/", "2.0", K)
+LOAD_BASE = Load("kvcd_base")
+LOAD_USER = Load("kvcd_user", (("greeting", "hi"),))
+
+
+def obs(**kw: object) -> Observed:
+    return Observed(kernel=K, **kw)  # type: ignore[arg-type]
+
+
+NEW = {"kvcd_base": "aaa", "kvcd_user": "bbb"}
+LOADED_NEW = {"kvcd_base": ModState(1, ("kvcd_user",), "aaa"), "kvcd_user": ModState(0, (), "bbb")}
+LOADED_OLD = {
+    "kvcd_base": ModState(1, ("kvcd_user",), "old1"),
+    "kvcd_user": ModState(0, (), "old2"),
+}
+
+LOAD_TABLE = [
+    (
+        "nothing on the host: build, extract, activate, load in order",
+        obs(),
+        [
+            ACQUIRE,
+            EXTRACT,
+            CollectImages(2),
+            Activate("2.0", K),
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+        None,
+    ),
+    (
+        "already extracted (cached): no image work at all",
+        obs(stored=frozenset({"2.0"})),
+        [Activate("2.0", K), LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "active and depmod current: load only",
+        obs(stored=frozenset({"2.0"}), active="2.0", depmod_current=True),
+        [LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "active but depmod stale: activate again",
+        obs(stored=frozenset({"2.0"}), active="2.0", depmod_current=False),
+        [Activate("2.0", K), LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "everything loaded and matching: verify only",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded=LOADED_NEW,
+            stored_srcversion=NEW,
+        ),
+        [Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "half loaded (base only): load the rest",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded={"kvcd_base": ModState(0, (), "aaa")},
+            stored_srcversion=NEW,
+        ),
+        [LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "old version loaded, new not built: build first, then swap; rollback to old",
+        obs(stored=frozenset({"1.0"}), active="1.0", depmod_current=True, loaded=LOADED_OLD),
+        [
+            ACQUIRE,
+            EXTRACT,
+            CollectImages(2),
+            Unload("kvcd_user"),
+            Unload("kvcd_base"),
+            Activate("2.0", K),
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+        "1.0",
+    ),
+    (
+        "a foreign build of the same version is loaded (srcversion differs): replace it",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded=LOADED_OLD,
+            stored_srcversion=NEW,
+        ),
+        [Unload("kvcd_user"), Unload("kvcd_base"), LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "no srcversion in sysfs: trust the active version",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded={"kvcd_base": ModState(1, ("kvcd_user",)), "kvcd_user": ModState()},
+        ),
+        [Verify(BOTH, True)],
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "observed", "steps", "rollback"), LOAD_TABLE, ids=[r[0] for r in LOAD_TABLE]
+)
+def test_plan_load(why: str, observed: Observed, steps: list[object], rollback: str | None) -> None:
+    plan = plan_load(D, observed)
+    assert plan.blocked is None
+    assert list(plan.actions) == steps
+    assert plan.rollback_to == rollback
+
+
+def test_pull_first_then_build() -> None:
+    d = Desired(**{**D.__dict__, "pull_ref": "quay.example/drv:2.0-" + K})
+    assert plan_load(d, obs()).actions[0] == AcquireImage(TAG, "quay.example/drv:2.0-" + K, "/src")
+    assert "build from /src if the pull fails" in plan_load(d, obs()).describe()[0]
+
+
+BLOCK_TABLE = [
+    (
+        "held by a foreign module",
+        {
+            "kvcd_base": ModState(2, ("kvcd_user", "other_mod"), "old1"),
+            "kvcd_user": ModState(0, (), "old2"),
+        },
+        "kvcd_base is held by other_mod (refcnt 2)",
+    ),
+    (
+        "opened by a process (refcnt without holders)",
+        {"kvcd_base": ModState(1, ("kvcd_user",), "old1"), "kvcd_user": ModState(1, (), "old2")},
+        "kvcd_user is in use (refcnt 1, 1 not by modules)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("why", "loaded", "reason"), BLOCK_TABLE, ids=[r[0] for r in BLOCK_TABLE])
+def test_in_use_blocks_unload_and_swap(why: str, loaded: dict[str, ModState], reason: str) -> None:
+    o = obs(stored=frozenset({"1.0", "2.0"}), active="1.0", depmod_current=True, loaded=loaded)
+    unload = plan_unload(D, o)
+    assert unload.actions == ()
+    assert unload.blocked == reason
+    swap = plan_load(D, o)
+    assert swap.actions == ()
+    assert swap.blocked == f"cannot replace the loaded version: {reason}"
+    assert swap.describe() == [f"blocked: cannot replace the loaded version: {reason}"]
+
+
+UNLOAD_TABLE = [
+    ("nothing loaded: just verify", {}, [Verify(BOTH, False)]),
+    (
+        "both loaded: reverse order",
+        LOADED_NEW,
+        [Unload("kvcd_user"), Unload("kvcd_base"), Verify(BOTH, False)],
+    ),
+    ("only base loaded", {"kvcd_base": ModState()}, [Unload("kvcd_base"), Verify(BOTH, False)]),
+]
+
+
+@pytest.mark.parametrize(("why", "loaded", "steps"), UNLOAD_TABLE, ids=[r[0] for r in UNLOAD_TABLE])
+def test_plan_unload(why: str, loaded: dict[str, ModState], steps: list[object]) -> None:
+    assert list(plan_unload(D, obs(loaded=loaded)).actions) == steps
+
+
+HOOKS = Desired(**{**D.__dict__, "hooks": True})
+HOOK_TABLE = [
+    (
+        "load, nothing loaded",
+        plan_load,
+        {},
+        [Hook("build_kmods"), Hook("load_kmods"), Verify(BOTH, True)],
+    ),
+    ("load, all loaded", plan_load, LOADED_NEW, [Verify(BOTH, True)]),
+    ("unload", plan_unload, LOADED_NEW, [Hook("unload_kmods"), Verify(BOTH, False)]),
+    ("unload, nothing loaded", plan_unload, {}, [Verify(BOTH, False)]),
+    ("build", plan_build, {}, [Hook("build_kmods")]),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "planner", "loaded", "steps"), HOOK_TABLE, ids=[r[0] for r in HOOK_TABLE]
+)
+def test_kvc_hooks_replace_native_steps(why, planner, loaded, steps) -> None:  # type: ignore[no-untyped-def]
+    o = obs(loaded=loaded, active="2.0", stored_srcversion=NEW)
+    assert list(planner(HOOKS, o).actions) == steps
+
+
+def test_build_is_noop_when_stored() -> None:
+    assert plan_build(D, obs(stored=frozenset({"2.0"}))).describe() == ["nothing to do"]
