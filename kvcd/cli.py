@@ -132,7 +132,9 @@ def _dispatch(root: object, args: argparse.Namespace) -> int:
         from kvcd.daemon.service import Service
         from kvcd.host.systemd import Notifier
 
-        return Service(root, args.instance, _kernel(root, args), Notifier.from_environ()).run()
+        return Service(
+            root, args.instance, _kernel(root, args), Notifier.from_environ(unset_environment=True)
+        ).run()
     if verb == "reload":
         from kvcd.daemon.control import request_reload
 
@@ -183,9 +185,7 @@ def _check_config(root: object, names: list[str], kernel: str | None) -> int:
             bad += 1
             continue
         print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
-        print(
-            f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}"
-        )
+        print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
         if kernel is None:
             try:
                 kernel = _kernel(root, argparse.Namespace())

@@ -62,6 +62,19 @@ class InstanceConfig:
     def path_in_image(self, kernel: str) -> str:
         return self.modules_path.replace("{kernel}", kernel)
 
+    def kvc_vars(self) -> tuple[tuple[str, str], ...]:
+        """The KMOD_* variables KVC libraries read, then the rest of the .conf, as data."""
+        typed = [
+            ("KMOD_SOFTWARE_VERSION", self.version),
+            ("KMOD_NAMES", " ".join(m.name for m in self.modules)),
+        ]
+        if self.build is not None:
+            typed += [
+                ("KMOD_CONTAINER_BUILD_CONTEXT", self.build.context),
+                ("KMOD_CONTAINER_BUILD_FILE", self.build.containerfile),
+            ]
+        return (*typed, *self.kvc_env)
+
 
 @dataclass(frozen=True)
 class Settings:

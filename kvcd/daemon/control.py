@@ -60,7 +60,7 @@ def wrapper(
 ) -> int:
     """Run a userspace tool from the driver image (or the KVC library's `wrapper`)."""
     if cfg.kvc_lib is not None:
-        return hooks.wrapper(cfg.kvc_lib, command, hooks.hook_env(cfg.name, kernel, cfg.kvc_env))
+        return hooks.wrapper(cfg.kvc_lib, command, hooks.hook_env(cfg.name, kernel, cfg.kvc_vars()))
     if not command:
         print("kvcd: wrapper needs a command to run", file=sys.stderr)
         return 2

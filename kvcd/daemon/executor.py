@@ -298,7 +298,7 @@ class Executor:
 
     def _hook(self, function: str) -> None:
         assert self.cfg.kvc_lib is not None
-        env = hooks.hook_env(self.cfg.name, self.d.kernel, self.cfg.kvc_env)
+        env = hooks.hook_env(self.cfg.name, self.d.kernel, self.cfg.kvc_vars())
         try:
             done = hooks.call(self.cfg.kvc_lib, function, env)
         except CommandError as exc:

@@ -20,24 +20,9 @@ from kvcd.daemon.instance import Instance, Record
 from kvcd.host import kmod
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import ImageInfo, PodmanError, PodmanUnavailable
+from tests import fakehost
 
 K = "6.1.0-56-amd64"
-
-MODPROBE = r"""
-set -e
-sys="$FAKE_ROOT/sys/module"
-args=("$@"); name=""
-for ((i=0; i<${#args[@]}; i++)); do
-  case "${args[$i]}" in -d|-S) i=$((i+1));; -*) ;; *) name="${args[$i]}"; break;; esac
-done
-if grep -qx "$name" "$FAKE_ROOT/fail-load" 2>/dev/null; then
-  echo "modprobe: ERROR: could not insert '$name': Unknown symbol in module (see dmesg)" >&2
-  exit 1
-fi
-mkdir -p "$sys/$name/holders"
-echo live > "$sys/$name/initstate"; echo 0 > "$sys/$name/refcnt"
-"""
-RMMOD = 'rm -r "$FAKE_ROOT/sys/module/$1"\n'
 
 
 class FakePodman:
@@ -90,19 +75,10 @@ class FakePodman:
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
     root = HostRoot(tmp_path / "root")
-    (root.sys_module).mkdir(parents=True)
-    (root.system_modules(K) / "kernel").mkdir(parents=True)
-    (root.system_modules(K) / "modules.builtin").write_text("")
+    fakehost.make_host(root, K)
     monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    monkeypatch.setenv("FAKE_KERNEL", K)
-    fake_commands.add("modprobe", MODPROBE)
-    fake_commands.add("rmmod", RMMOD)
-    # depmod: write a modules.dep naming every extra module, as the real one would.
-    fake_commands.add(
-        "depmod",
-        'd="$2/lib/modules/$3"\n'
-        '(cd "$d" && find -L extra -name "*.ko" | sed "s/$/:/") > "$d/modules.dep"\n',
-    )
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
 
     def fake_modinfo(path: Path) -> dict[str, list[str]]:
         data = path.read_bytes().decode()

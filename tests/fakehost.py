@@ -1,0 +1,80 @@
+"""A fake host for kvcd: a HostRoot tree plus modprobe/rmmod/depmod stand-ins that change a fake
+/sys/module under it. Used where the real kernel cannot load modules (this machine): unit tests
+of the instance flow, and the integration test of the `kvcd run` process and its signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from kvcd.host.paths import HostRoot
+
+# Loads <name>: a directory in the fake /sys/module. Names listed in $FAKE_ROOT/fail-load fail
+# the way modprobe does when the kernel refuses a module.
+MODPROBE = r"""
+set -e
+sys="$FAKE_ROOT/sys/module"
+args=("$@"); name=""
+for ((i=0; i<${#args[@]}; i++)); do
+  case "${args[$i]}" in -d|-S) i=$((i+1));; -*) ;; *) name="${args[$i]}"; break;; esac
+done
+if grep -qx "$name" "$FAKE_ROOT/fail-load" 2>/dev/null; then
+  echo "modprobe: ERROR: could not insert '$name': Unknown symbol in module (see dmesg)" >&2
+  exit 1
+fi
+mkdir -p "$sys/$name/holders"
+echo live > "$sys/$name/initstate"; echo 0 > "$sys/$name/refcnt"
+"""
+RMMOD = 'rm -r "$FAKE_ROOT/sys/module/$1"\n'
+# Writes a modules.dep naming every module under extra/, as the real depmod would.
+DEPMOD = r"""
+base=/; args=("$@")
+for ((i=0; i<${#args[@]}; i++)); do [ "${args[$i]}" = -b ] && base="${args[$((i+1))]}"; done
+d="$base/lib/modules/${args[-1]}"
+(cd "$d" && find -L extra -name "*.ko" | sed "s/$/:/") > "$d/modules.dep"
+"""
+SCRIPTS = {"modprobe": MODPROBE, "rmmod": RMMOD, "depmod": DEPMOD}
+
+
+def write_command(bindir: Path, name: str, body: str, log: Path | None = None) -> Path:
+    path = bindir / name
+    record = f"{{ printf '%s\\x1f' {name} \"$@\"; printf '\\x1e'; }} >> '{log}'\n" if log else ""
+    path.write_text("#!/bin/bash\n" + record + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return path
+
+
+def make_host(root: HostRoot, kernel: str) -> None:
+    """The parts of a host kvcd reads: kernel release, boot id, /sys/module, /lib/modules."""
+    root.sys_module.mkdir(parents=True, exist_ok=True)
+    (root.system_modules(kernel) / "kernel").mkdir(parents=True, exist_ok=True)
+    (root.system_modules(kernel) / "modules.builtin").write_text("")
+    root.osrelease.parent.mkdir(parents=True, exist_ok=True)
+    root.osrelease.write_text(kernel + "\n")
+    root.boot_id.parent.mkdir(parents=True, exist_ok=True)
+    root.boot_id.write_text("0b5e6c4e-0000-4000-8000-000000000001\n")
+
+
+def store_version(
+    root: HostRoot, instance: str, version: str, kernel: str, modules: list[str]
+) -> Path:
+    """An already extracted version in kvcd's store, as the executor leaves it."""
+    d = root.store(instance) / version / kernel
+    d.mkdir(parents=True, exist_ok=True)
+    manifest = {"version": version, "kernel": kernel, "image": "test", "modules": {}}
+    for name in modules:
+        (d / f"{name}.ko").write_bytes(f"{name} {version}".encode())
+        manifest["modules"][name] = {"file": f"{name}.ko", "srcversion": f"{name}-{version}"}
+    (d / ".kvcd-manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def write_config(root: HostRoot, name: str, text: str) -> Path:
+    path = root(f"/etc/kvcd/instances/{name}.toml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, 0o644)
+    return path

@@ -1,0 +1,191 @@
+"""`kvcd run` as a real process: real signals, a real sd_notify socket, the real `kvcd reload`.
+
+The kernel of this machine cannot load modules, so modprobe/rmmod/depmod are the fake-host
+stand-ins (tests/fakehost.py) acting on a fake /sys/module; everything else is real. Loading for
+real is proven in the VM guest (tests/e2e).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+pytestmark = pytest.mark.integration
+
+K = "6.1.0-56-amd64"
+CONFIG = """\
+version = "{version}"
+modules = ["kvcd_base", "kvcd_user"]
+[build]
+context = "/nonexistent/never/built"
+[params.kvcd_user]
+greeting = "hi"
+"""
+
+
+class Daemon:
+    def __init__(self, tmp: Path) -> None:
+        self.root = HostRoot(tmp / "root")
+        fakehost.make_host(self.root, K)
+        for v in ("1.0", "2.0"):
+            fakehost.store_version(self.root, "e2e", v, K, ["kvcd_base", "kvcd_user"])
+        fakehost.write_config(self.root, "e2e", CONFIG.format(version="1.0"))
+        bindir = tmp / "bin"
+        bindir.mkdir()
+        self.log = tmp / "calls.log"
+        for name, body in fakehost.SCRIPTS.items():
+            fakehost.write_command(bindir, name, body, self.log)
+        self.env = {
+            **os.environ,
+            "PATH": f"{bindir}:{os.environ['PATH']}",
+            "FAKE_ROOT": str(self.root.root),
+            "KVCD_ROOT": str(self.root.root),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        }
+        self.sock_path = tmp / "notify.sock"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.sock_path))
+        self.sock.settimeout(30)
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr_path = tmp / "kvcd-run.stderr"
+
+    def start(self) -> None:
+        env = {
+            **self.env,
+            "NOTIFY_SOCKET": str(self.sock_path),
+            "WATCHDOG_USEC": "2000000",
+            "WATCHDOG_PID": "",
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcd.cli", "run", "e2e"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def messages_until(self, needle: str) -> list[str]:
+        seen = []
+        while True:
+            try:
+                msg = self.sock.recv(4096).decode()
+            except TimeoutError:
+                err = self.stderr_path.read_text() if self.stderr_path.exists() else ""
+                pytest.fail(f"no {needle!r} from kvcd run; got {seen}; stderr: {err[-3000:]}")
+            seen.append(msg)
+            if needle in msg:
+                return seen
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvcd.cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def calls(self) -> list[list[str]]:
+        if not self.log.exists():
+            return []
+        return [r.split("\x1f")[:-1] for r in self.log.read_text().split("\x1e")[:-1]]
+
+    def status(self) -> dict[str, object]:
+        out = self.cli("status", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["instances"][0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path)
+    yield d
+    if d.proc and d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait()
+    d.sock.close()
+
+
+def test_start_ready_reload_stop(daemon: Daemon) -> None:
+    daemon.start()
+    msgs = daemon.messages_until("READY=1")
+    assert any(m.startswith("STATUS=load kvcd_base") for m in msgs), msgs
+    assert (daemon.root.sys_module / "kvcd_user").is_dir()
+    st = daemon.status()
+    assert (st["state"], st["version"], st["pid"]) == ("Done", "1.0", daemon.proc.pid)  # type: ignore[union-attr]
+
+    # The watchdog is fed while idle (WATCHDOG_USEC=2s -> every second).
+    assert "WATCHDOG=1" in daemon.messages_until("WATCHDOG=1")[-1]
+
+    # systemctl reload: new version in the config, `kvcd reload` waits for the result.
+    fakehost.write_config(daemon.root, "e2e", CONFIG.format(version="2.0"))
+    out = daemon.cli("reload", "e2e")
+    assert out.returncode == 0, out.stderr
+    assert "Done (version 2.0)" in out.stdout
+    assert daemon.status()["version"] == "2.0"
+    rm = [c for c in daemon.calls() if c[0] == "rmmod"]
+    assert rm == [["rmmod", "kvcd_user"], ["rmmod", "kvcd_base"]]
+
+    # systemctl stop: STOPPING=1, modules out in reverse order, exit 0.
+    daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+    assert "STOPPING=1" in "".join(daemon.messages_until("STOPPING=1"))
+    assert not (daemon.root.sys_module / "kvcd_base").exists()
+    assert not daemon.root.pid_file("e2e").exists()
+
+
+def test_reload_to_a_failing_version_keeps_the_old_one_and_reports(daemon: Daemon) -> None:
+    daemon.start()
+    daemon.messages_until("READY=1")
+    (daemon.root.root / "fail-load").write_text("kvcd_user\n")
+    fakehost.write_config(daemon.root, "e2e", CONFIG.format(version="2.0"))
+    out = daemon.cli("reload", "e2e")
+    assert out.returncode == 1
+    assert "Degraded: LoadFailed: kvcd_user" in out.stderr
+    st = daemon.status()
+    assert st["state"] == "Degraded"
+    # The daemon keeps running; the previous version's base module is back.
+    assert daemon.proc.poll() is None  # type: ignore[union-attr]
+    assert (daemon.root.sys_module / "kvcd_base").is_dir()
+
+
+def test_bad_config_on_start_fails_the_unit_with_the_reason(daemon: Daemon) -> None:
+    fakehost.write_config(daemon.root, "e2e", 'version = "1.0"\nmodlues = ["x"]\n')
+    daemon.start()
+    assert daemon.proc.wait(timeout=30) == 1  # type: ignore[union-attr]
+    st = daemon.status()
+    assert st["state"] == "Degraded"
+    assert str(st["reason"]).startswith("ConfigInvalid: ")
+    assert "e2e.toml:2" in str(st["reason"])
+
+
+def test_reload_without_a_daemon_says_so(daemon: Daemon) -> None:
+    out = daemon.cli("reload", "e2e")
+    assert out.returncode == 1
+    assert "kvcd@e2e is not running" in out.stderr
+
+
+def test_sigterm_during_backoff_exits_promptly(daemon: Daemon, tmp_path: Path) -> None:
+    # A version that is not in the store needs podman; its socket does not exist -> backoff.
+    cfgdir = daemon.root("/etc/kvcd")
+    (cfgdir / "kvcd.toml").write_text(f'podman_socket = "unix://{tmp_path}/nope.sock"\n')
+    fakehost.write_config(daemon.root, "e2e", CONFIG.format(version="3.0"))
+    daemon.start()
+    msgs = daemon.messages_until("retrying in")
+    assert "PodmanUnavailable" in msgs[-1]
+    t0 = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    daemon.proc.wait(timeout=10)  # type: ignore[union-attr]
+    assert time.monotonic() - t0 < 10

@@ -1,0 +1,477 @@
+"""KVC compatibility: /etc/kvc/<name>.conf read as data, never sourced; the lib.sh hook check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcd.config.kvcconf import Assignment, parse_assignments
+from kvcd.config.loader import load_instance, parse_kvc_conf
+from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec
+from kvcd.host.paths import HostRoot
+
+SRC = Path("/etc/kvc/simple-kmod.conf")
+NOBODY = 65534
+
+
+def doc(*lines: str) -> str:
+    return "\n".join(lines) + "\n"
+
+
+# The three required variables (lines 1-3), for rows that break something after them.
+HEAD = (
+    "KMOD_SOFTWARE_VERSION=dd1a7d4",
+    'KMOD_NAMES="simple-kmod simple-procfs-kmod"',
+    "KMOD_CONTAINER_BUILD_CONTEXT=https://github.com/kmods-via-containers/kvc-simple-kmod.git",
+)
+
+
+def write(path: Path, text: str, mode: int = 0o644) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> HostRoot:
+    hostroot = tmp_path / "host"
+    hostroot.mkdir()
+    return HostRoot(hostroot)
+
+
+@pytest.fixture
+def marker(tmp_path: Path) -> Path:
+    return tmp_path / "pwned"
+
+
+# --- good confs ----------------------------------------------------------------------------
+
+KVC_SIMPLE = doc(
+    "# comment",
+    'KMOD_CONTAINER_BUILD_CONTEXT="https://github.com/kmods-via-containers/kvc-simple-kmod.git"',
+    "KMOD_CONTAINER_BUILD_FILE=Dockerfile.fedora",
+    "KMOD_SOFTWARE_VERSION=dd1a7d4",
+    'KMOD_NAMES="simple-kmod simple-procfs-kmod"',
+    "export FOO='bar baz'",
+)
+
+
+def test_kvc_simple_parses_to_exact_instance() -> None:
+    assert parse_kvc_conf("simple-kmod", SRC, KVC_SIMPLE) == InstanceConfig(
+        name="simple-kmod",
+        source=SRC,
+        version="dd1a7d4",
+        modules=(ModuleSpec("simple-kmod"), ModuleSpec("simple-procfs-kmod")),
+        build=BuildSource(
+            context="https://github.com/kmods-via-containers/kvc-simple-kmod.git",
+            containerfile="Dockerfile.fedora",
+            args=(),
+        ),
+        image=None,
+        modules_path="/lib/modules/{kernel}/",
+        unload_on_stop=True,
+        keep_images=3,
+        wrapper_args=(),
+        kvc_lib=None,
+        kvc_env=(("FOO", "bar baz"),),
+        format="kvc",
+    )
+
+
+def test_kvc_safe_subset_features() -> None:
+    text = doc(
+        "",
+        "   # indented comment",
+        "BASE=/usr/src/kmods  # trailing comment",
+        'KMOD_CONTAINER_BUILD_CONTEXT="${BASE}/simple"',
+        "KMOD_SOFTWARE_VERSION=1.2.3-4",
+        "KMOD_NAMES=(simple-kmod 'simple-procfs-kmod')",
+        'DQ="a \\"quoted\\" \\$HOME \\\\ \\`x\\` \\q $BASE"',
+        "MIX=pre'lit $X'\"dq\"post",
+        "HASH=a#b",
+        "EMPTY=",
+        "ESC=a\\ b",
+        "NAME=$KVC_SOFTWARE_NAME-x",
+        "LONE=$",
+        "ML='line one",
+        "line two'",
+        "AFTER=ok",
+        "export AFTER",
+        "export AFTER BASE  # no-ops",
+    )
+    config = parse_kvc_conf("simple-kmod", SRC, text)
+    assert config.version == "1.2.3-4"
+    assert config.modules == (ModuleSpec("simple-kmod"), ModuleSpec("simple-procfs-kmod"))
+    assert config.build == BuildSource("/usr/src/kmods/simple", "Dockerfile")  # KVC's default
+    assert config.kvc_env == (
+        ("BASE", "/usr/src/kmods"),
+        ("DQ", 'a "quoted" $HOME \\ `x` \\q /usr/src/kmods'),
+        ("MIX", "prelit $Xdqpost"),
+        ("HASH", "a#b"),
+        ("EMPTY", ""),
+        ("ESC", "a b"),
+        ("NAME", "simple-kmod-x"),
+        ("LONE", "$"),
+        ("ML", "line one\nline two"),
+        ("AFTER", "ok"),
+    )
+
+
+def test_later_assignment_wins_and_expands_earlier_value() -> None:
+    text = doc(*HEAD, "V=1", "V=${V}2", "KMOD_SOFTWARE_VERSION=v$V")
+    config = parse_kvc_conf("x", SRC, text)
+    assert config.version == "v12"
+    assert config.kvc_env == (("V", "12"),)
+
+
+def test_assignment_lines() -> None:
+    text = doc("# c", "A=1", "", "export B='x", "y'", "C=(p q)")
+    assert parse_assignments(SRC, text) == [
+        Assignment("A", "1", 2),
+        Assignment("B", "x\ny", 4),
+        Assignment("C", "p q", 6, ("p", "q")),
+    ]
+
+
+# --- bad confs: (id, text, line, exact message fragment) -----------------------------------
+
+BAD_KVC = [
+    (
+        "missing-version",
+        doc(*HEAD[1:]),
+        None,
+        "missing required variable 'KMOD_SOFTWARE_VERSION'",
+    ),
+    (
+        "missing-names",
+        doc(HEAD[0], HEAD[2]),
+        None,
+        "missing required variable 'KMOD_NAMES'",
+    ),
+    (
+        "missing-context",
+        doc(*HEAD[:2]),
+        None,
+        "missing required variable 'KMOD_CONTAINER_BUILD_CONTEXT'",
+    ),
+    ("empty-names", doc(HEAD[0], 'KMOD_NAMES=""', HEAD[2]), 2, "'KMOD_NAMES' must not be empty"),
+    (
+        "duplicate-names",
+        doc(HEAD[0], 'KMOD_NAMES="simple-kmod simple_kmod"', HEAD[2]),
+        2,
+        "duplicate module 'simple_kmod' in 'KMOD_NAMES' (same as 'simple-kmod'",
+    ),
+    (
+        "bad-module-name",
+        doc(HEAD[0], 'KMOD_NAMES="a/b"', HEAD[2]),
+        2,
+        "'KMOD_NAMES' entry \"a/b\" is not a module name",
+    ),
+    (
+        "version-with-space",
+        doc("KMOD_SOFTWARE_VERSION='1 0'", *HEAD[1:]),
+        1,
+        "'KMOD_SOFTWARE_VERSION' must match",
+    ),
+    (
+        "relative-context",
+        doc(*HEAD[:2], "KMOD_CONTAINER_BUILD_CONTEXT=kvc-simple-kmod"),
+        3,
+        "'KMOD_CONTAINER_BUILD_CONTEXT' must be an absolute path",
+    ),
+    (
+        "git-protocol-context",
+        doc(*HEAD[:2], "KMOD_CONTAINER_BUILD_CONTEXT=git://example.com/x.git"),
+        3,
+        "'KMOD_CONTAINER_BUILD_CONTEXT' must be an absolute path",
+    ),
+    (
+        "build-file-dotdot",
+        doc(*HEAD, "KMOD_CONTAINER_BUILD_FILE=../Dockerfile"),
+        4,
+        "'KMOD_CONTAINER_BUILD_FILE' must be a relative path inside the build context",
+    ),
+    (
+        "array-not-names",
+        doc(*HEAD, "OPTS=(a b)"),
+        4,
+        "'OPTS' is an array: only KMOD_NAMES may be one",
+    ),
+    (
+        "version-array",
+        doc("KMOD_SOFTWARE_VERSION=(1 2)", *HEAD[1:]),
+        1,
+        "'KMOD_SOFTWARE_VERSION' must be a string, not an array",
+    ),
+    (
+        "unknown-variable",
+        doc(*HEAD, "A=$UNDEFINED"),
+        4,
+        "unknown variable 'UNDEFINED': only variables assigned earlier in this file",
+    ),
+    (
+        "variable-used-before-assignment",
+        doc("A=$B", "B=1", *HEAD),
+        1,
+        "unknown variable 'B'",
+    ),
+    (
+        "kvc-kver-runtime-only",
+        doc(*HEAD, 'A="/lib/modules/${KVC_KVER}"'),
+        4,
+        "cannot expand '$KVC_KVER': it is the kernel version, known only at run time",
+    ),
+    (
+        "kvc-software-name-assigned",
+        doc(*HEAD, "KVC_SOFTWARE_NAME=other"),
+        4,
+        "'KVC_SOFTWARE_NAME' is set by kvcd from the instance name",
+    ),
+    (
+        "default-expansion",
+        doc(*HEAD, 'A="${X:-/tmp}"'),
+        4,
+        "parameter expansion '${X:-/tmp}' is not supported: only ${NAME}",
+    ),
+    ("length-expansion", doc(*HEAD, "A=${#HEAD}"), 4, "parameter expansion '${#HEAD}'"),
+    ("positional", doc(*HEAD, "A=$1"), 4, "special parameter '$1' is not allowed"),
+    ("ansi-c-quote", doc(*HEAD, "A=$'\\x41'"), 4, "'$'...' quoting is not allowed"),
+    ("append", doc(*HEAD, "A+=x"), 4, "'A+=' (appending) is not supported"),
+    ("glob-star", doc(*HEAD, "A=*.ko"), 4, "unquoted glob character '*' is not allowed"),
+    ("glob-bracket", doc(*HEAD, "A=[ab]"), 4, "unquoted glob character '[' is not allowed"),
+    ("tilde", doc(*HEAD, "A=~/src"), 4, "unquoted '~' (home directory expansion)"),
+    ("brace", doc(*HEAD, "A={a,b}"), 4, "unquoted shell operator '{' is not allowed"),
+    ("paren-in-word", doc(*HEAD, "A=a(b)"), 4, "unquoted '(' (a subshell or array)"),
+    (
+        "unterminated-double-quote",
+        doc(*HEAD, 'A="never closed', "B=1", "C=2"),
+        4,
+        "unterminated double quote opened on line 4",
+    ),
+    (
+        "unterminated-single-quote",
+        doc(*HEAD, "X=1", "A='open", "B=2"),
+        5,
+        "unterminated single quote opened on line 5",
+    ),
+    ("unterminated-array", doc(*HEAD, "KMOD_NAMES=(a b"), 4, "unterminated array 'KMOD_NAMES=('"),
+    (
+        "continuation",
+        doc(*HEAD, "A=one \\", "two"),
+        4,
+        "line continuation (backslash at the end of the line) is not supported",
+    ),
+    (
+        "continuation-in-double-quotes",
+        doc(*HEAD, 'A="one \\', 'two"'),
+        4,
+        "line continuation (backslash at the end of the line) is not supported",
+    ),
+    ("dos-line-endings", "A=1\r\n", 1, "carriage return found: the file has DOS line endings"),
+    ("bare-word", doc(*HEAD, "echo hello"), 4, "not an assignment: 'echo hello'"),
+    ("function", doc(*HEAD, "f() { :; }"), 4, "not an assignment: 'f() { :; }'"),
+    ("export-alone", doc(*HEAD, "export"), 4, "not an assignment: 'export'"),
+    ("export-then-command", doc(*HEAD, "export A; id"), 4, "not an assignment: 'export A; id'"),
+    (
+        "https-bad-ipv6",
+        doc(*HEAD[:2], 'KMOD_CONTAINER_BUILD_CONTEXT="https://[::1/x"'),
+        3,
+        "'KMOD_CONTAINER_BUILD_CONTEXT' is not a valid https:// URL",
+    ),
+    (
+        "ld-preload",
+        doc(*HEAD, "LD_PRELOAD=/tmp/evil.so"),
+        4,
+        "'LD_PRELOAD' would change how the hooks run",
+    ),
+    ("path", doc(*HEAD, "PATH=/tmp"), 4, "'PATH' would change how the hooks run"),
+    ("bash-env", doc(*HEAD, "BASH_ENV=/tmp/x"), 4, "'BASH_ENV' would change how the hooks run"),
+]
+
+# Rows that carry a command: each must be refused, and the marker file must never appear.
+INJECTION_KVC = [
+    (
+        "command-substitution",
+        doc(*HEAD[::2], 'KMOD_NAMES="$(touch {marker})"'),
+        3,
+        "command substitution '$(...)' is not allowed",
+    ),
+    (
+        "command-substitution-unquoted",
+        doc(*HEAD, "A=$(touch {marker})"),
+        4,
+        "command substitution '$(...)' is not allowed",
+    ),
+    (
+        "backticks-quoted",
+        doc(*HEAD, 'KMOD_NAMES="`touch {marker}`"'),
+        4,
+        "command substitution with backticks is not allowed",
+    ),
+    (
+        "backticks-unquoted",
+        doc(*HEAD, "A=`touch {marker}`"),
+        4,
+        "command substitution with backticks is not allowed",
+    ),
+    (
+        "ifs-expansion",
+        doc(*HEAD, "A=touch${IFS}{marker}"),
+        4,
+        "unknown variable 'IFS'",
+    ),
+    (
+        "semicolon-rm",
+        doc(*HEAD, "KMOD_NAMES=x;rm -rf /;touch {marker}"),
+        4,
+        "unquoted shell operator ';' is not allowed",
+    ),
+    ("arithmetic", doc(*HEAD, "A=$((1+1))"), 4, "arithmetic expansion '$((...))' is not allowed"),
+    (
+        "prefix-assignment-runs-command",
+        doc(*HEAD, "A=b touch {marker}"),
+        4,
+        "unexpected 'touch /",
+    ),
+    ("source", doc(*HEAD, "source {marker}.sh"), 4, "not an assignment: 'source /"),
+    ("rm-rf", doc(*HEAD, "rm -rf / {marker}"), 4, "not an assignment: 'rm -rf / /"),
+    ("pipe", doc(*HEAD, "A=x|touch {marker}"), 4, "unquoted shell operator '|' is not allowed"),
+    ("and", doc(*HEAD, "A=x&&touch {marker}"), 4, "unquoted shell operator '&' is not allowed"),
+    ("redirect", doc(*HEAD, "A=x>{marker}"), 4, "unquoted shell operator '>' is not allowed"),
+    (
+        "array-with-expansion",
+        doc(*HEAD[::2], "C='touch {marker}'", "KMOD_NAMES=(a $C)"),
+        4,
+        "unquoted expansion inside an array is refused",
+    ),
+    (
+        "array-with-substitution",
+        doc(*HEAD[::2], "KMOD_NAMES=(a $(touch {marker}))"),
+        3,
+        "command substitution '$(...)' is not allowed",
+    ),
+    (
+        "substitution-in-default",
+        doc(*HEAD, 'A="${X:-$(touch {marker})}"'),
+        4,
+        "parameter expansion '${X:-$(touch {marker})}' is not supported",
+    ),
+    (
+        "newline-hides-command",
+        doc(*HEAD, "A='x", "'; touch {marker}"),
+        5,
+        "unquoted shell operator ';' is not allowed",
+    ),
+    ("heredoc", doc(*HEAD, "cat <<EOF > {marker}", "x", "EOF"), 4, "not an assignment: 'cat <<EOF"),
+    ("eval", doc(*HEAD, "eval 'touch {marker}'"), 4, "not an assignment: \"eval 'touch /"),
+]
+
+
+def _expect(exc: ConfigError, path: Path, line: int | None, fragment: str) -> None:
+    assert exc.path == path
+    assert exc.line == line
+    assert fragment in exc.detail
+    where = f"{path}:{line}: " if line else f"{path}: "
+    assert str(exc).startswith(where)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "fragment"), [pytest.param(t, ln, f, id=i) for i, t, ln, f in BAD_KVC]
+)
+def test_bad_kvc_conf(text: str, line: int | None, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_kvc_conf("simple-kmod", SRC, text)
+    _expect(caught.value, SRC, line, fragment)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "fragment"),
+    [pytest.param(t, ln, f, id=i) for i, t, ln, f in INJECTION_KVC],
+)
+def test_kvc_injection_is_refused_and_never_run(
+    root: HostRoot, marker: Path, text: str, line: int, fragment: str
+) -> None:
+    # Through the whole loader, from a real file, as the daemon would read it.
+    conf = write(root.kvc_conf("simple-kmod"), text.replace("{marker}", str(marker)))
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    _expect(caught.value, conf, line, fragment.replace("{marker}", str(marker)))
+    assert not marker.exists()
+    assert not Path(f"{marker}.sh").exists()
+
+
+def test_bad_instance_name_kvc() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_kvc_conf("../x", SRC, KVC_SIMPLE)
+    assert "bad instance name '../x'" in caught.value.detail
+
+
+# --- through the loader: lib.sh and file safety --------------------------------------------
+
+
+def test_load_kvc_instance_with_lib(root: HostRoot) -> None:
+    conf = write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    etc_lib, usr_lib, local_lib = root.kvc_libs("simple-kmod")
+    write(usr_lib, "build_kmods() { :; }\n", 0o755)
+    write(local_lib, "", 0o755)
+    config = load_instance(root, "simple-kmod")
+    assert (config.source, config.format, config.kvc_lib) == (conf, "kvc", usr_lib)
+    write(etc_lib, "", 0o644)
+    assert load_instance(root, "simple-kmod").kvc_lib == etc_lib
+
+
+def test_load_kvc_instance_without_lib(root: HostRoot) -> None:
+    write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    assert load_instance(root, "simple-kmod").kvc_lib is None
+
+
+@pytest.mark.parametrize(("mode", "shown"), [(0o775, "0775"), (0o757, "0757"), (0o666, "0666")])
+def test_writable_lib_refused(root: HostRoot, mode: int, shown: str) -> None:
+    write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    lib = write(root.kvc_libs("simple-kmod")[1], "", mode)
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    assert caught.value.path == lib
+    assert caught.value.detail == (
+        f"refusing: writable by group/others (mode {shown}); it decides what runs in the kernel"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_lib_owned_by_another_uid_refused(root: HostRoot) -> None:
+    write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    lib = write(root.kvc_libs("simple-kmod")[0], "", 0o755)
+    os.chown(lib, NOBODY, -1)
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    assert caught.value.path == lib
+    assert f"refusing: owned by uid {NOBODY}" in caught.value.detail
+
+
+def test_group_writable_conf_refused(root: HostRoot) -> None:
+    conf = write(root.kvc_conf("simple-kmod"), KVC_SIMPLE, 0o664)
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    assert caught.value.path == conf
+    assert "refusing: writable by group/others (mode 0664)" in caught.value.detail
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_conf_owned_by_another_uid_refused(root: HostRoot) -> None:
+    conf = write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    os.chown(conf, NOBODY, -1)
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    assert f"refusing: owned by uid {NOBODY}, not by root" in caught.value.detail
+
+
+def test_lib_in_world_writable_dir_refused(root: HostRoot) -> None:
+    write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    lib = write(root.kvc_libs("simple-kmod")[2], "", 0o755)
+    lib.parent.chmod(0o777)
+    with pytest.raises(ConfigError) as caught:
+        load_instance(root, "simple-kmod")
+    assert "is writable by others without the sticky bit (mode 0777)" in caught.value.detail
