@@ -29,6 +29,9 @@ from kvcd.host.systemd import Notifier
 
 log = logging.getLogger(__name__)
 
+# How far each sign of build progress pushes systemd's start/reload timeout (µs).
+EXTEND_USEC = 10 * 60 * 1_000_000
+
 
 class Service:
     def __init__(
@@ -49,6 +52,7 @@ class Service:
         self._rsock, self._wsock = socket.socketpair()
         self._sel = selectors.DefaultSelector()
         self.fields = {"KVCD_INSTANCE": name, "KVCD_KERNEL": kernel}
+        self._extended = float("-inf")
 
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -97,7 +101,20 @@ class Service:
             self.cfg,
             self.kernel,
             on_step=lambda s: self.notify.status(s[:200]),
+            on_build_line=self._build_line,
         )
+
+    def _build_line(self, line: str) -> None:
+        """Build output: into the journal, and proof of life that pushes the start timeout out.
+
+        A build that keeps printing gets EXTEND_TIMEOUT_USEC (at most every 30 s); a silent one
+        still meets the unit's TimeoutStartSec.
+        """
+        log.info("%s", line.rstrip(), extra=self.fields)
+        now = time.monotonic()
+        if now - self._extended >= 30.0:
+            self._extended = now
+            self.notify.extend_timeout(EXTEND_USEC)
 
     def _busy(self) -> _Keepalive:
         return _Keepalive(self.notify)

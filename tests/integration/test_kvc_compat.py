@@ -1,0 +1,132 @@
+"""An existing KVC instance (/etc/kvc/<name>.conf + <name>-lib.sh) runs unchanged through kvcd.
+
+The library is run by real bash through kvcd's hook runner; its load_kmods uses the fake-host
+modprobe (this kernel cannot load), and kvcd verifies the result in the fake /sys/module.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+pytestmark = pytest.mark.integration
+
+K = "6.1.0-56-amd64"
+CONF = """\
+# an ordinary KVC config
+KMOD_CONTAINER_BUILD_CONTEXT="https://github.com/kmods-via-containers/kvc-simple-kmod.git"
+KMOD_CONTAINER_BUILD_FILE=Dockerfile.fedora
+KMOD_SOFTWARE_VERSION=dd1a7d4
+KMOD_NAMES="simple-kmod simple-procfs-kmod"
+export EXTRA_SETTING='a b'
+"""
+# A library in KVC's style: functions without arguments reading KVC_* and the conf's variables.
+LIB = r"""
+build_kmods() {
+    echo "build $KVC_SOFTWARE_NAME $KVC_KVER $KMOD_SOFTWARE_VERSION runtime=$KVC_CONTAINER_RUNTIME" >> "$FAKE_ROOT/hook.log"
+    type kvc_c_build >/dev/null
+}
+load_kmods() {
+    echo "load $KMOD_NAMES extra=$EXTRA_SETTING arg1=${1:-}" >> "$FAKE_ROOT/hook.log"
+    for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done
+}
+unload_kmods() {
+    echo "unload" >> "$FAKE_ROOT/hook.log"
+    for m in $KMOD_NAMES; do rmmod "${m//-/_}"; done
+}
+wrapper() {
+    echo "wrapper $*"
+}
+"""
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> tuple[HostRoot, dict[str, str]]:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    conf = root.kvc_conf("simple-kmod")
+    conf.parent.mkdir(parents=True)
+    conf.write_text(CONF)
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.parent.mkdir(parents=True)
+    lib.write_text(LIB)
+    for p in (conf, lib):
+        p.chmod(0o644)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, body in fakehost.SCRIPTS.items():
+        fakehost.write_command(bindir, name, body)
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "FAKE_ROOT": str(root.root),
+        "KVCD_ROOT": str(root.root),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    return root, env
+
+
+def kvcd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvcd.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_kvc_instance_loads_unloads_and_wraps_through_its_library(host: tuple[HostRoot, dict[str, str]]) -> None:
+    root, env = host
+    check = kvcd(env, "check-config", "simple-kmod")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "kvc format" in check.stdout
+    assert "run build_kmods from the instance's KVC library" in check.stdout
+
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 0, out.stderr
+    log = (root.root / "hook.log").read_text().splitlines()
+    assert log == [
+        f"build simple-kmod {K} dd1a7d4 runtime=podman",
+        f"load simple-kmod simple-procfs-kmod extra=a b arg1={K}",
+    ]
+    assert (root.sys_module / "simple_procfs_kmod").is_dir()
+    assert kvcd(env, "status", "simple-kmod").stdout.startswith("simple-kmod: Done")
+
+    out = kvcd(env, "unload", "simple-kmod")
+    assert out.returncode == 0, out.stderr
+    assert not (root.sys_module / "simple_kmod").exists()
+
+    out = kvcd(env, "wrapper", "simple-kmod", "spkut", "44")
+    assert (out.returncode, out.stdout) == (0, "wrapper spkut 44\n")
+
+
+def test_a_library_that_does_not_load_is_caught_by_verification(host: tuple[HostRoot, dict[str, str]]) -> None:
+    root, env = host
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(LIB.replace('for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done', "true"))
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 1
+    assert "VerifyFailed: simple_kmod is not in /sys/module after loading" in out.stderr
+
+
+def test_a_failing_library_function_is_reported_with_its_output(host: tuple[HostRoot, dict[str, str]]) -> None:
+    root, env = host
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(LIB.replace("type kvc_c_build >/dev/null", "echo 'no such image' >&2; return 3"))
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 1
+    assert "HookFailed: build_kmods in" in out.stderr and "no such image" in out.stderr
+
+
+def test_conf_injection_is_refused_before_anything_runs(host: tuple[HostRoot, dict[str, str]]) -> None:
+    root, env = host
+    marker = root.root / "pwned"
+    root.kvc_conf("simple-kmod").write_text(CONF + f'KMOD_NAMES="$(touch {marker})"\n')
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 2
+    assert "simple-kmod.conf:7" in out.stderr
+    assert not marker.exists()
+    assert not (root.root / "hook.log").exists()
