@@ -111,7 +111,7 @@ def _status(root: object, only: str | None, as_json: bool) -> int:
 
 
 def _kernel(root: object, args: argparse.Namespace) -> str:
-    from kvcd.daemon.instance import running_kernel
+    from kvcd.daemon.record import running_kernel
 
     return getattr(args, "kernel", None) or running_kernel(root)  # type: ignore[arg-type]
 

@@ -26,12 +26,14 @@ import re
 import stat
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from kvcd.config.kvcconf import Assignment, parse_assignments
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec, Settings
 from kvcd.config.tomlsrc import KeyLines, decode
+
+if TYPE_CHECKING:
+    from kvcd.config.kvcconf import Assignment
 
 __all__ = [
     "ConfigLocations",
@@ -657,6 +659,9 @@ class _TomlInstance:
 
 
 def _kvc_instance(name: str, path: Path, text: str) -> InstanceConfig:
+    # The lexer's tables cost ~25 ms to import; only KVC instances need them.
+    from kvcd.config.kvcconf import parse_assignments
+
     assignments = parse_assignments(
         path, text, known={_KVC_SET_BY_KVCD: name}, runtime_only=_KVC_RUNTIME_ONLY
     )

@@ -68,4 +68,4 @@ class Backoff:
     cap: float = 300.0
 
     def delay(self, attempt: int) -> float:
-        return min(self.cap, self.first * (2 ** max(0, attempt)))
+        return min(self.cap, self.first * 2.0 ** max(0, attempt))

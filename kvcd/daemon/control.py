@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
-from kvcd.daemon.instance import Record
+from kvcd.daemon.record import Record
 from kvcd.host import files, hooks
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run_inherit

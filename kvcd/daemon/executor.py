@@ -53,6 +53,11 @@ class Attempt:
     activated: bool = False
 
 
+def _first(info: dict[str, list[str]], key: str) -> str | None:
+    values = info.get(key)
+    return values[0] if values else None
+
+
 class Executor:
     def __init__(
         self,
@@ -223,7 +228,7 @@ class Executor:
                 info = kmod.modinfo(path)
             except kmod.KmodError as exc:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
-            vermagic = (info.get("vermagic") or [""])[0].split(" ")[0]
+            vermagic = (_first(info, "vermagic") or "").split(" ")[0]
             if name in {m.kernel_name for m in self.cfg.modules} and vermagic != a.kernel:
                 raise StepFailed(
                     state.WRONG_KERNEL,
@@ -234,8 +239,8 @@ class Executor:
                 "file": str(path.relative_to(dest)),
                 "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "mode": path.stat().st_mode & 0o7777,
-                "srcversion": (info.get("srcversion") or [None])[0],
-                "version": (info.get("version") or [None])[0],
+                "srcversion": _first(info, "srcversion"),
+                "version": _first(info, "version"),
                 "vermagic": vermagic,
             }
         return {"version": a.version, "kernel": a.kernel, "image": a.tag, "modules": modules}

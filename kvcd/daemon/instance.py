@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcd.config.model import InstanceConfig, Settings
@@ -16,6 +15,7 @@ from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
+from kvcd.daemon.record import Record, boot_id
 from kvcd.host import files, journal
 from kvcd.host.paths import HostRoot
 
@@ -25,49 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERBS = {"build": planner.plan_build, "load": planner.plan_load, "unload": planner.plan_unload}
-
-
-def running_kernel(root: HostRoot) -> str:
-    text = files.read_text(root.osrelease)
-    if not text or not text.strip():
-        raise RuntimeError(f"cannot read the running kernel release from {root.osrelease}")
-    return text.strip()
-
-
-def boot_id(root: HostRoot) -> str | None:
-    text = files.read_text(root.boot_id)
-    return text.strip() if text else None
-
-
-@dataclass
-class Record:
-    """The instance's state file (/var/lib/kvcd/instances/<name>.json): what kvcd status shows."""
-
-    instance: str
-    state: str
-    reason: str = ""
-    goal: str = "loaded"
-    version: str = ""
-    kernel: str = ""
-    boot_id: str | None = None
-    modules: list[str] = field(default_factory=list)
-    updated: float = 0.0
-    generation: int = 0
-    pid: int | None = None
-
-    @classmethod
-    def read(cls, root: HostRoot, name: str) -> Record | None:
-        data = files.read_json(root.state_file(name))
-        if not isinstance(data, dict):
-            return None
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        try:
-            return cls(**known)
-        except TypeError:
-            return None
-
-    def write(self, root: HostRoot) -> None:
-        files.write_json(root.state_file(self.instance), asdict(self))
 
 
 class Instance:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvcd.config.loader import list_instances
-from kvcd.daemon.instance import Record, boot_id
+from kvcd.daemon.record import Record, boot_id
 from kvcd.host import kmod
 from kvcd.host.paths import HostRoot
 

@@ -30,7 +30,8 @@ export EXTRA_SETTING='a b'
 # A library in KVC's style: functions without arguments reading KVC_* and the conf's variables.
 LIB = r"""
 build_kmods() {
-    echo "build $KVC_SOFTWARE_NAME $KVC_KVER $KMOD_SOFTWARE_VERSION runtime=$KVC_CONTAINER_RUNTIME" >> "$FAKE_ROOT/hook.log"
+    echo "build $KVC_SOFTWARE_NAME $KVC_KVER $KMOD_SOFTWARE_VERSION" \
+         "runtime=$KVC_CONTAINER_RUNTIME" >> "$FAKE_ROOT/hook.log"
     type kvc_c_build >/dev/null
 }
 load_kmods() {
@@ -74,11 +75,19 @@ def host(tmp_path: Path) -> tuple[HostRoot, dict[str, str]]:
 
 
 def kvcd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcd.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcd.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
-def test_kvc_instance_loads_unloads_and_wraps_through_its_library(host: tuple[HostRoot, dict[str, str]]) -> None:
+def test_kvc_instance_loads_unloads_and_wraps_through_its_library(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
     root, env = host
     check = kvcd(env, "check-config", "simple-kmod")
     assert check.returncode == 0, check.stdout + check.stderr
@@ -103,7 +112,9 @@ def test_kvc_instance_loads_unloads_and_wraps_through_its_library(host: tuple[Ho
     assert (out.returncode, out.stdout) == (0, "wrapper spkut 44\n")
 
 
-def test_a_library_that_does_not_load_is_caught_by_verification(host: tuple[HostRoot, dict[str, str]]) -> None:
+def test_a_library_that_does_not_load_is_caught_by_verification(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
     root, env = host
     lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
     lib.write_text(LIB.replace('for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done', "true"))
@@ -112,7 +123,9 @@ def test_a_library_that_does_not_load_is_caught_by_verification(host: tuple[Host
     assert "VerifyFailed: simple_kmod is not in /sys/module after loading" in out.stderr
 
 
-def test_a_failing_library_function_is_reported_with_its_output(host: tuple[HostRoot, dict[str, str]]) -> None:
+def test_a_failing_library_function_is_reported_with_its_output(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
     root, env = host
     lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
     lib.write_text(LIB.replace("type kvc_c_build >/dev/null", "echo 'no such image' >&2; return 3"))
@@ -121,7 +134,9 @@ def test_a_failing_library_function_is_reported_with_its_output(host: tuple[Host
     assert "HookFailed: build_kmods in" in out.stderr and "no such image" in out.stderr
 
 
-def test_conf_injection_is_refused_before_anything_runs(host: tuple[HostRoot, dict[str, str]]) -> None:
+def test_conf_injection_is_refused_before_anything_runs(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
     root, env = host
     marker = root.root / "pwned"
     root.kvc_conf("simple-kmod").write_text(CONF + f'KMOD_NAMES="$(touch {marker})"\n')

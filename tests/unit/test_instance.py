@@ -16,7 +16,8 @@ import pytest
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core import state
 from kvcd.core.state import StepFailed
-from kvcd.daemon.instance import Instance, Record
+from kvcd.daemon.instance import Instance
+from kvcd.daemon.record import Record
 from kvcd.host import kmod
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import ImageInfo, PodmanError, PodmanUnavailable

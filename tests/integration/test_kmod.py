@@ -1,0 +1,292 @@
+"""kvcd.host.kmod against real depmod/modprobe and real .ko files compiled from tests/kmods.
+
+The host's "system" module directory is a tmp tree (this machine has no /lib/modules for the
+headers' kernel): an empty or nearly empty kernel/ and empty index inputs, enough for depmod.
+Nothing here loads a module into the running kernel unless that kernel cannot load modules.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvcd.host import kmod
+from kvcd.host.paths import HostRoot
+from kvcd.host.run import run
+from tests.integration.kmods import BuiltKmods, build_test_kmods, missing_tools, newest_headers
+
+pytestmark = pytest.mark.integration
+
+INSTANCE = "demo"
+
+
+APT_HINT = "apt-get install -y linux-headers-amd64 make kmod zstd"
+
+
+@pytest.fixture(scope="module")
+def kmods() -> BuiltKmods:
+    missing = missing_tools()
+    if newest_headers() is None:
+        missing.append("linux-headers-*-amd64")
+    if missing:
+        why = f"cannot build test modules, missing {', '.join(missing)} ({APT_HINT})"
+        if os.environ.get("CI"):
+            pytest.fail(why + ", and CI is set")
+        pytest.skip(why)
+    return build_test_kmods("1.0")
+
+
+@pytest.fixture(scope="module")
+def kmods_v2(kmods: BuiltKmods) -> BuiltKmods:
+    return build_test_kmods("2.0", kernel=kmods.kernel)
+
+
+def make_system(root: HostRoot, kernel: str, in_tree: Sequence[Path] = ()) -> Path:
+    """A minimal booted-kernel module directory; `in_tree` modules go to kernel/drivers/kvcd/."""
+    system = root.system_modules(kernel)
+    (system / "kernel" / "drivers" / "kvcd").mkdir(parents=True)
+    for name in ("modules.builtin", "modules.builtin.modinfo", "modules.order"):
+        (system / name).write_text("")
+    for ko in in_tree:
+        shutil.copy(ko, system / "kernel" / "drivers" / "kvcd" / ko.name)
+    return system
+
+
+def make_store(root: HostRoot, version: str, kernel: str, modules: list[Path]) -> Path:
+    store = root.store(INSTANCE) / version / kernel
+    store.mkdir(parents=True)
+    for ko in modules:
+        shutil.copy(ko, store / ko.name)
+    return store
+
+
+def test_show_depends_lists_base_then_user(tmp_path: Path, kmods: BuiltKmods) -> None:
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k)
+    store = make_store(root, "1.0", k, [kmods.base, kmods.user])
+    tree = kmod.prepare_kernel_tree(root, k)
+    assert kmod.activate(root, k, INSTANCE, store) is None
+    assert kmod.depmod(root, k) == []
+
+    extra = tree / "extra" / INSTANCE
+    assert kmod.show_depends(root, k, "kvcd_user") == [
+        str(extra / "kvcd_base.ko"),
+        str(extra / "kvcd_user.ko"),
+    ]
+    assert kmod.show_depends(root, k, "kvcd-user") == kmod.show_depends(root, k, "kvcd_user")
+    assert "extra/demo/kvcd_user.ko: extra/demo/kvcd_base.ko" in (tree / "modules.dep").read_text()
+    with pytest.raises(kmod.ModuleNotFound, match=r"module nosuch not found for kernel"):
+        kmod.show_depends(root, k, "nosuch")
+
+
+def test_in_tree_dependency_resolves_through_the_mirror(tmp_path: Path, kmods: BuiltKmods) -> None:
+    """kvcd_base shipped by the "system" kernel, kvcd_user by the instance."""
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k, in_tree=[kmods.base])
+    store = make_store(root, "1.0", k, [kmods.user])
+    tree = kmod.prepare_kernel_tree(root, k)
+    kmod.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    assert kmod.show_depends(root, k, "kvcd_user") == [
+        str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko"),
+        str(tree / "extra" / INSTANCE / "kvcd_user.ko"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "system_conf",
+    [None, "search updates extra built-in weak-updates\n", "search updates ubuntu built-in\n"],
+    ids=["no-config", "rhel-dist.conf", "ubuntu.conf"],
+)
+def test_instance_module_wins_over_a_same_named_system_module(
+    tmp_path: Path, kmods: BuiltKmods, kmods_v2: BuiltKmods, system_conf: str | None
+) -> None:
+    """An instance replacing an in-tree driver must win whatever order readdir returns."""
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    system = make_system(root, k, in_tree=[kmods_v2.base])
+    (system / "updates").mkdir()
+    shutil.copy(kmods_v2.base, system / "updates" / "kvcd_base.ko")
+    if system_conf is not None:
+        root("/etc/depmod.d").mkdir(parents=True)
+        root("/etc/depmod.d/dist.conf").write_text(system_conf)
+    store = make_store(root, "1.0", k, [kmods.base, kmods.user])
+    tree = kmod.prepare_kernel_tree(root, k)
+    kmod.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    deps = kmod.show_depends(root, k, "kvcd_user")
+    assert deps[0] == str(tree / "extra" / INSTANCE / "kvcd_base.ko")
+    assert kmod.modinfo(Path(deps[0]))["version"] == ["1.0"]
+    # Without the instance, the system's updates/ copy beats its kernel/ copy.
+    kmod.deactivate(root, k, INSTANCE)
+    kmod.depmod(root, k)
+    assert kmod.show_depends(root, k, "kvcd_base") == [str(tree / "updates" / "kvcd_base.ko")]
+
+
+def test_modinfo_reads_version_and_vermagic(kmods: BuiltKmods, kmods_v2: BuiltKmods) -> None:
+    info = kmod.modinfo(kmods.user)
+    assert info["version"] == ["1.0"]
+    assert info["name"] == ["kvcd_user"]
+    assert info["depends"] == ["kvcd_base"]
+    assert info["vermagic"][0].split()[0] == kmods.kernel
+    assert info["parmtype"] == ["greeting:charp"]
+    assert kmod.modinfo(kmods_v2.user)["version"] == ["2.0"]
+    assert kmod.modinfo(kmods.base)["depends"] == [""]
+
+
+def test_modinfo_reads_compressed_modules(tmp_path: Path, kmods: BuiltKmods) -> None:
+    import gzip
+    import lzma
+
+    xz = tmp_path / "kvcd_user.ko.xz"
+    xz.write_bytes(lzma.compress(kmods.user.read_bytes(), check=lzma.CHECK_CRC32))
+    gz = tmp_path / "kvcd_user.ko.gz"
+    gz.write_bytes(gzip.compress(kmods.user.read_bytes()))
+    assert kmod.modinfo(xz) == kmod.modinfo(gz) == kmod.modinfo(kmods.user)
+    if shutil.which("zstd"):  # read through `modinfo -0`
+        zst = tmp_path / "kvcd_user.ko.zst"
+        run(["zstd", "-q", str(kmods.user), "-o", str(zst)])
+        assert kmod.modinfo(zst) == kmod.modinfo(kmods.user)
+
+
+def test_switching_versions_changes_what_depmod_resolves(
+    tmp_path: Path, kmods: BuiltKmods, kmods_v2: BuiltKmods
+) -> None:
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k)
+    v1 = make_store(root, "1.0", k, [kmods.base, kmods.user])
+    v2 = make_store(root, "2.0", k, [kmods_v2.base, kmods_v2.user])
+    tree = kmod.prepare_kernel_tree(root, k)
+
+    def resolved() -> list[tuple[str, str]]:
+        """(path in the tree, MODULE_VERSION of the file it leads to) in load order."""
+        paths = kmod.show_depends(root, k, "kvcd_user")
+        return [(os.path.relpath(p, tree), kmod.modinfo(Path(p))["version"][0]) for p in paths]
+
+    assert kmod.activate(root, k, INSTANCE, v1) is None
+    kmod.depmod(root, k)
+    v1_deps = resolved()
+    assert v1_deps == [("extra/demo/kvcd_base.ko", "1.0"), ("extra/demo/kvcd_user.ko", "1.0")]
+
+    previous = kmod.activate(root, k, INSTANCE, v2)
+    assert previous == v1
+    assert kmod.active_store(root, k, INSTANCE) == v2
+    kmod.depmod(root, k)
+    # Same paths (extra/demo is the indirection), the files behind them are 2.0 now.
+    assert resolved() == [("extra/demo/kvcd_base.ko", "2.0"), ("extra/demo/kvcd_user.ko", "2.0")]
+
+    # Roll back: switch to what activate() returned.
+    assert kmod.activate(root, k, INSTANCE, previous) == v2
+    kmod.depmod(root, k)
+    assert resolved() == v1_deps
+
+    assert kmod.deactivate(root, k, INSTANCE) == v1
+    kmod.depmod(root, k)
+    with pytest.raises(kmod.ModuleNotFound):
+        kmod.show_depends(root, k, "kvcd_user")
+
+
+def test_depmod_reports_the_unknown_symbol_of_kvcd_bad(tmp_path: Path, kmods: BuiltKmods) -> None:
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k)
+    store = make_store(root, "1.0", k, [kmods.base, kmods.user, kmods.bad])
+    kmod.prepare_kernel_tree(root, k)
+    kmod.activate(root, k, INSTANCE, store)
+    # The kernel's exports (headers) + ours: everything but kvcd_bad's symbol resolves.
+    symvers = tmp_path / "Module.symvers"
+    symvers.write_bytes(kmods.kernel_symvers.read_bytes() + kmods.symvers.read_bytes())
+    problems = kmod.depmod(root, k, symvers=symvers)
+    assert problems == [
+        kmod.SymbolProblem(
+            str(root.kernel_dir(k) / "extra" / INSTANCE / "kvcd_bad.ko"),
+            "kvcd_no_such_symbol",
+            "unknown",
+        )
+    ]
+    # depmod itself has no dependency for it: the symbol is simply missing.
+    assert kmod.show_depends(root, k, "kvcd_bad") == [
+        str(root.kernel_dir(k) / "extra" / INSTANCE / "kvcd_bad.ko")
+    ]
+
+
+def test_prepare_kernel_tree_is_idempotent_and_tracks_the_system(
+    tmp_path: Path, kmods: BuiltKmods
+) -> None:
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    system = make_system(root, k)
+    tree = kmod.prepare_kernel_tree(root, k)
+    kmod.depmod(root, k)
+    before = {p.name: p.stat().st_mtime_ns for p in tree.iterdir()}
+    assert kmod.prepare_kernel_tree(root, k) == tree
+    assert {p.name: p.stat().st_mtime_ns for p in tree.iterdir()} == before
+
+    (system / "updates").mkdir()
+    (system / "modules.order").write_text("kernel/drivers/kvcd/kvcd_base.ko\n")
+    kmod.prepare_kernel_tree(root, k)
+    assert os.readlink(tree / "updates") == str(system / "updates")
+    assert (tree / "modules.order").read_text() == "kernel/drivers/kvcd/kvcd_base.ko\n"
+    (system / "updates").rmdir()
+    kmod.prepare_kernel_tree(root, k)
+    assert not os.path.lexists(tree / "updates")
+
+
+@pytest.mark.skipif(
+    Path("/proc/modules").exists(),
+    reason="this kernel loads modules: a load attempt would taint it (the VM e2e covers loads)",
+)
+def test_load_failure_on_a_kernel_without_module_support(tmp_path: Path, kmods: BuiltKmods) -> None:
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k)
+    store = make_store(root, "1.0", k, [kmods.base, kmods.user, kmods.bad])
+    kmod.prepare_kernel_tree(root, k)
+    kmod.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    with pytest.raises(kmod.ModuleLoadError) as info:
+        kmod.load(root, k, "kvcd_bad")
+    assert info.value.name == "kvcd_bad"
+    assert "kvcd_bad" in str(info.value)
+    assert k in str(info.value)
+
+
+@pytest.mark.skipif(not Path("/sys/module").is_dir(), reason="no /sys/module")
+def test_read_module_on_the_real_sys_module() -> None:
+    root = HostRoot()
+    names = sorted(p.name for p in root.sys_module.iterdir())
+    assert names
+    for name in names:
+        mod = kmod.read_module(root, name)
+        assert mod is not None and mod.name == name
+        if mod.initstate is None:
+            assert mod.refcnt == 0
+    assert kmod.read_module(root, "kvcd_no_such_module") is None
+
+
+@pytest.mark.skipif(
+    not os.access("/dev/kmsg", os.R_OK | os.W_OK), reason="/dev/kmsg not readable and writable"
+)
+def test_kmsg_reader_on_the_real_kernel_log() -> None:
+    """Root may write a record to /dev/kmsg: the reader sees it, and only records after open."""
+    from kvcd.host import kmsg
+
+    name = f"kvcd_kmsg_test_{os.getpid()}"
+    reader = kmsg.open_kmsg(HostRoot())
+    assert reader is not None
+    with reader:
+        assert kmsg.mentioning(reader.read_new(), [name]) == []
+        with open("/dev/kmsg", "w") as log:
+            log.write(f"<4>{name}: Unknown symbol kvcd_no_such_symbol (err -2)\n")
+        got = kmsg.mentioning(reader.read_new(), [name])
+        assert [(r.level, r.message) for r in got] == [
+            (4, f"{name}: Unknown symbol kvcd_no_such_symbol (err -2)")
+        ]
+        assert reader.read_new() == []
