@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvcd.host.paths import HostRoot
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 log = logging.getLogger("kvcd")
@@ -82,7 +84,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from kvcd.host.journal import setup_logging
-    from kvcd.host.paths import HostRoot
 
     setup_logging(args.verbose, getattr(args, "instance", None))
     root = HostRoot(Path(args.root))
@@ -99,10 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _status(root: object, only: str | None, as_json: bool) -> int:
+def _status(root: HostRoot, only: str | None, as_json: bool) -> int:
     from kvcd.daemon.status import collect, render
 
-    entries = collect(root, only)  # type: ignore[arg-type]
+    entries = collect(root, only)
     if as_json:
         print(json.dumps({"instances": entries}, indent=2, sort_keys=True))
     else:
@@ -110,19 +111,18 @@ def _status(root: object, only: str | None, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _kernel(root: object, args: argparse.Namespace) -> str:
+def _kernel(root: HostRoot, args: argparse.Namespace) -> str:
     from kvcd.daemon.record import running_kernel
 
-    return getattr(args, "kernel", None) or running_kernel(root)  # type: ignore[arg-type]
+    kernel: str | None = getattr(args, "kernel", None)
+    return kernel or running_kernel(root)
 
 
-def _dispatch(root: object, args: argparse.Namespace) -> int:
+def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     from kvcd.config.loader import list_instances, load_instance, load_settings
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
-    from kvcd.host.paths import HostRoot
 
-    assert isinstance(root, HostRoot)
     verb = args.verb
     if verb == "check-config":
         return _check_config(
@@ -167,7 +167,7 @@ def _dispatch(root: object, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_config(root: object, names: list[str], kernel: str | None) -> int:
+def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.config.loader import load_instance, load_settings
     from kvcd.config.model import ConfigError
     from kvcd.daemon.instance import Instance
@@ -178,8 +178,8 @@ def _check_config(root: object, names: list[str], kernel: str | None) -> int:
     bad = 0
     for name in names:
         try:
-            cfg = load_instance(root, name)  # type: ignore[arg-type]
-            settings = load_settings(root)  # type: ignore[arg-type]
+            cfg = load_instance(root, name)
+            settings = load_settings(root)
         except ConfigError as exc:
             print(f"{name}: INVALID: {exc}")
             bad += 1
@@ -192,7 +192,7 @@ def _check_config(root: object, names: list[str], kernel: str | None) -> int:
             except RuntimeError:
                 kernel = None
         if kernel:
-            inst = Instance(root, settings, cfg, kernel)  # type: ignore[arg-type]
+            inst = Instance(root, settings, cfg, kernel)
             print(f"  plan for {kernel}:")
             for line in inst.plan("load").describe():
                 print(f"    {line}")

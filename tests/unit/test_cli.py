@@ -1,0 +1,141 @@
+"""The CLI contract: verbs, exit codes (0 ok, 1 failed, 2 usage/config), --root, --dry-run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcd.cli import main
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+K = "6.1.0-56-amd64"
+GOOD = 'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> HostRoot:
+    r = HostRoot(tmp_path)
+    fakehost.make_host(r, K)
+    return r
+
+
+def run(root: HostRoot, *args: str) -> int:
+    return main(["--root", str(root.root), *args])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bogus"],
+        ["load"],
+        ["status", "--bad-flag"],
+        ["check-config"],
+        ["check-config", "x", "--all"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "kvcd: error:" in capsys.readouterr().err
+
+
+def test_root_from_environment(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD)
+    monkeypatch.setenv("KVCD_ROOT", str(root.root))
+    assert main(["status"]) == 0
+    assert capsys.readouterr().out.startswith("e2e: Unknown")
+
+
+def test_status_with_nothing_configured(root: HostRoot, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(root, "status") == 0
+    assert capsys.readouterr().out.strip() == "no instances configured"
+    assert run(root, "status", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == {"instances": []}
+
+
+def test_dry_run_prints_the_plan_and_changes_nothing(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD)
+    before = sorted(p.relative_to(root.root) for p in root.root.rglob("*"))
+    assert run(root, "load", "e2e", "--dry-run") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"build localhost/kvcd-e2e-1.0:{K} from /src",
+        f"extract /lib/modules/{K}/ of localhost/kvcd-e2e-1.0:{K} into the store (1.0, {K})",
+        "remove all but the newest 3 images of this instance",
+        f"activate version 1.0 in the module root for {K} and run depmod",
+        "load kvcd_base and verify it in /sys/module",
+        "load kvcd_user and verify it in /sys/module",
+        "verify kvcd_base, kvcd_user loaded",
+    ]
+    assert run(root, "unload", "e2e", "--dry-run") == 0
+    assert capsys.readouterr().out.strip() == "verify kvcd_base, kvcd_user gone"
+    assert sorted(p.relative_to(root.root) for p in root.root.rglob("*")) == before
+
+
+def test_kernel_flag_overrides_the_running_kernel(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD)
+    assert run(root, "build", "e2e", "--kernel", "6.1.0-99-amd64", "--dry-run") == 0
+    assert "localhost/kvcd-e2e-1.0:6.1.0-99-amd64" in capsys.readouterr().out
+
+
+def test_check_config_all_reports_each_and_exits_2_on_any_bad(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "good", GOOD)
+    fakehost.write_config(root, "bad", GOOD + "modlues = []\n")
+    assert run(root, "check-config", "--all") == 2
+    out = capsys.readouterr().out
+    assert "good: ok" in out and f"plan for {K}:" in out
+    assert "bad: INVALID:" in out and "bad.toml:5" in out and "modlues" in out
+
+
+def test_bad_config_on_a_verb_is_exit_2_naming_the_file(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD.replace('"1.0"', "1.0"))
+    assert run(root, "load", "e2e") == 2
+    assert "e2e.toml:1" in capsys.readouterr().err
+
+
+def test_unknown_instance_names_where_it_looked(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(root, "load", "nope") == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "/etc/kvcd/instances" in err and "/etc/kvc" in err
+
+
+def test_status_warns_when_record_and_kernel_disagree(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD)
+    root.state_file("e2e").parent.mkdir(parents=True)
+    root.state_file("e2e").write_text(
+        json.dumps(
+            {
+                "instance": "e2e",
+                "state": "Done",
+                "goal": "loaded",
+                "version": "1.0",
+                "kernel": K,
+                "boot_id": "an-earlier-boot",
+                "modules": ["kvcd_base", "kvcd_user"],
+            }
+        )
+    )
+    (root.sys_module / "kvcd_base").mkdir()
+    assert run(root, "status") == 0
+    out = capsys.readouterr().out
+    assert "kvcd_base: loaded" in out and "kvcd_user: not loaded" in out
+    assert "warning: recorded during an earlier boot" in out
+    assert "warning: recorded Done but not loaded now: kvcd_user" in out
