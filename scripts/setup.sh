@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   # podman and what it needs here (runc: crun fails on this host's cgroups)
-  podman buildah skopeo runc busybox-static
+  podman buildah skopeo runc busybox-static git
   # kernel module tooling and headers to compile the test modules
   kmod gcc make libc6-dev linux-headers-amd64
   # systemd-analyze verify for the unit file

@@ -1,0 +1,167 @@
+"""The core lifecycle with the real tools of this machine: a driver image built by real podman
+from our own compiled test modules, extracted by kvcd into its store, activated in the module
+root, indexed by the real depmod, and resolved by the real modprobe in dependency order.
+
+Loading itself needs a kernel with module support: that is the VM suite (tests/e2e).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.cli import main
+from kvcd.config.loader import load_instance, load_settings
+from kvcd.core.actions import Activate
+from kvcd.core.plan import Plan
+from kvcd.daemon.executor import Executor
+from kvcd.daemon.observe import desired_for, observe
+from kvcd.host import kmod
+from kvcd.host.paths import HostRoot
+from kvcd.host.podman import Podman
+from tests import fakehost
+from tests.integration.kmods import BuiltKmods, build_test_kmods, missing_tools, newest_headers
+
+pytestmark = pytest.mark.integration
+
+CONTAINERFILE = """\
+FROM {base}
+ARG KVER
+ARG KMODVER
+COPY *.ko /lib/modules/${{KVER}}/extra/
+RUN echo "$KMODVER" > /kmodver && {extra}true
+"""
+
+
+@pytest.fixture(scope="module")
+def kmods() -> BuiltKmods:
+    if newest_headers() is None or missing_tools():
+        pytest.skip(f"cannot compile test modules: {missing_tools() or 'no linux-headers'}")
+    return build_test_kmods("1.0")
+
+
+class Node:
+    """A scratch host (--root) whose podman is the test session's private service."""
+
+    def __init__(self, tmp: Path, url: str, base: str, kmods: BuiltKmods) -> None:
+        self.root = HostRoot(tmp / "root")
+        self.kernel = kmods.kernel
+        self.base = base
+        self.kmods = kmods
+        fakehost.make_host(self.root, self.kernel)
+        self.root.main_config.parent.mkdir(parents=True, exist_ok=True)
+        self.root.main_config.write_text(f'podman_socket = "{url}"\n')
+        self.root.main_config.chmod(0o644)
+        self.tmp = tmp
+
+    def instance(self, name: str, version: str, *, keep: int = 3, extra: str = "") -> None:
+        ctx = self.tmp / f"ctx-{name}-{version}"
+        ctx.mkdir()
+        for ko in (self.kmods.base, self.kmods.user):
+            shutil.copy(ko, ctx)
+        (ctx / "Containerfile").write_text(CONTAINERFILE.format(base=self.base, extra=extra))
+        fakehost.write_config(
+            self.root,
+            name,
+            f'version = "{version}"\nmodules = ["kvcd_base", "kvcd_user"]\nkeep_images = {keep}\n'
+            f'[build]\ncontext = "{ctx}"\n[params.kvcd_user]\ngreeting = "hi"\n',
+        )
+
+    def kvcd(self, *args: str) -> int:
+        return main(["--root", str(self.root.root), *args])
+
+    def status(self, capsys: pytest.CaptureFixture[str], name: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert self.kvcd("status", name, "--json") == 0
+        return json.loads(capsys.readouterr().out)["instances"][0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def node(tmp_path: Path, podman_service: Any, base_image: str, kmods: BuiltKmods) -> Node:
+    return Node(tmp_path, podman_service.url, base_image, kmods)
+
+
+def test_build_extract_activate_depmod_resolves_in_dependency_order(
+    node: Node, podman: Podman, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.instance("e2e", "1.0")
+    assert node.kvcd("build", "e2e") == 0
+
+    image = podman.get_image(f"localhost/kvcd-e2e-1.0:{node.kernel}")
+    assert image is not None
+    assert image.labels["io.kvcd.instance"] == "e2e"
+    assert image.labels["io.kvcd.kernel"] == node.kernel
+    store = node.root.store("e2e") / "1.0" / node.kernel
+    manifest = json.loads((store / ".kvcd-manifest.json").read_text())
+    assert manifest["modules"]["kvcd_user"]["vermagic"] == node.kernel
+    assert manifest["modules"]["kvcd_base"]["srcversion"] == kmod.modinfo(node.kmods.base)["srcversion"][0]
+
+    # The dry-run plan of a load: no image work left, activate, then load in order.
+    capsys.readouterr()
+    assert node.kvcd("load", "e2e", "--dry-run") == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"activate version 1.0 in the module root for {node.kernel} and run depmod",
+        "load kvcd_base and verify it in /sys/module",
+        "load kvcd_user greeting=hi and verify it in /sys/module",
+        "verify kvcd_base, kvcd_user loaded",
+    ]
+
+    # Apply the activation for real (real depmod); modprobe resolves the dependency order.
+    cfg = load_instance(node.root, "e2e")
+    d = desired_for(cfg, node.kernel)
+    Executor(node.root, cfg, d, lambda: Podman(load_settings(node.root).podman_socket)).apply(
+        Plan((Activate("1.0", node.kernel),))
+    )
+    deps = kmod.show_depends(node.root, node.kernel, "kvcd_user")
+    assert [Path(p).name for p in deps] == ["kvcd_base.ko", "kvcd_user.ko"]
+    assert all("/extra/e2e/" in p for p in deps)
+    o = observe(node.root, d)
+    assert (o.active, o.depmod_current, o.stored) == ("1.0", True, frozenset({"1.0"}))
+
+
+def test_cached_store_means_no_podman_and_gc_keeps_newest(
+    node: Node, podman: Podman, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for version in ("1.0", "1.1", "1.2"):
+        node.instance("gc", version, keep=2)
+        assert node.kvcd("build", "gc") == 0
+    node.instance("other", "1.0")
+    assert node.kvcd("build", "other") == 0
+    versions = sorted(i.labels["io.kvcd.version"] for i in podman.list_instance_images("gc"))
+    assert versions == ["1.1", "1.2"]
+    assert len(podman.list_instance_images("other")) == 1
+
+    # Building what is already extracted needs no podman at all.
+    (node.root.main_config).write_text('podman_socket = "unix:///nonexistent/podman.sock"\n')
+    capsys.readouterr()
+    assert node.kvcd("build", "gc", "--dry-run") == 0
+    assert capsys.readouterr().out.strip() == "nothing to do"
+    assert node.kvcd("build", "gc") == 0
+
+
+def test_failed_build_keeps_previous_image_and_store(
+    node: Node, podman: Podman, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.instance("fb", "1.0")
+    assert node.kvcd("build", "fb") == 0
+    node.instance("fb", "2.0", extra="false && ")
+    assert node.kvcd("build", "fb") == 1
+    assert "BuildFailed" in capsys.readouterr().err
+    st = node.status(capsys, "fb")
+    assert st["state"] == "Degraded" and st["reason"].startswith("BuildFailed: ")
+    assert podman.get_image(f"localhost/kvcd-fb-1.0:{node.kernel}") is not None
+    assert (node.root.store("fb") / "1.0" / node.kernel / ".kvcd-manifest.json").exists()
+    assert not (node.root.store("fb") / "2.0").exists()
+
+
+def test_image_for_another_kernel_is_refused_before_anything_is_activated(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.instance("wk", "1.0")
+    assert node.kvcd("build", "wk", "--kernel", "6.1.0-99-amd64") == 1
+    err = capsys.readouterr().err
+    assert f"WrongKernel: kvcd_base.ko in localhost/kvcd-wk-1.0:6.1.0-99-amd64 was built for {node.kernel}" in err

@@ -1,0 +1,308 @@
+"""kvcd.host.podman against a real podman service (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.host.podman import (
+    INSTANCE_LABEL,
+    KERNEL_LABEL,
+    VERSION_LABEL,
+    BuildSpec,
+    ImageInfo,
+    Podman,
+    PodmanError,
+)
+
+pytestmark = pytest.mark.integration
+
+KVER = "6.1.0-kvcd-test"
+
+
+def uniq(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def labels(instance: str, version: str = "1.0") -> dict[str, str]:
+    return {INSTANCE_LABEL: instance, VERSION_LABEL: version, KERNEL_LABEL: KVER}
+
+
+def driver_context(where: Path, base: str, *, run: str = "true", extra: str = "") -> Path:
+    """A driver-container context: fake modules copied into /lib/modules/$KVER/extra."""
+    ctx = where / "ctx"
+    (ctx / "mods" / "sub").mkdir(parents=True)
+    (ctx / "mods" / "a.ko").write_bytes(b"\x7fELF fake module a")
+    (ctx / "mods" / "sub" / "b.ko.xz").write_bytes(b"fake xz module b")
+    (ctx / "README").write_text("not a module\n")
+    (ctx / "Containerfile").write_text(
+        f"FROM {base}\n"
+        "ARG KVER\n"
+        "ARG KMODVER\n"
+        f"RUN {run}\n"
+        "COPY mods/ /lib/modules/${KVER}/extra/\n"
+        "RUN ln -s /usr/src/linux /lib/modules/${KVER}/build"
+        " && ln -s a.ko /lib/modules/${KVER}/extra/link.ko"
+        " && echo 'extra/a.ko:' > /lib/modules/${KVER}/modules.dep\n" + extra
+    )
+    return ctx
+
+
+def build(
+    podman: Podman,
+    context: Path | str,
+    tag: str,
+    instance: str,
+    version: str = "1.0",
+    lines: list[str] | None = None,
+    containerfile: str = "Containerfile",
+) -> ImageInfo:
+    spec = BuildSpec(
+        context=str(context),
+        containerfile=containerfile,
+        tag=tag,
+        build_args={"KVER": KVER, "KMODVER": version},
+        labels=labels(instance, version),
+    )
+    return podman.build(spec, (lines if lines is not None else []).append)
+
+
+def containers(podman_api: Any) -> list[dict[str, Any]]:
+    # external: also buildah's working containers, which a failed build could leave
+    resp = podman_api.get("/containers/json", params={"all": True, "external": True})
+    assert resp.status_code == 200
+    return list(resp.json() or [])
+
+
+def test_build_from_directory_labels_and_streamed_output(
+    podman: Podman, podman_service: Any, base_image: str, tmp_path: Path
+) -> None:
+    instance = uniq("dir")
+    ctx = driver_context(
+        tmp_path, base_image, run='echo "building $KMODVER for $KVER" && sleep 2 && echo finished'
+    )
+    seen: list[tuple[float, str]] = []
+    spec = BuildSpec(
+        str(ctx),
+        "Containerfile",
+        f"localhost/kvcd-test/{instance}:1.0",
+        {"KVER": KVER, "KMODVER": "1.0"},
+        labels(instance),
+    )
+    # A build step silent for longer than the client's timeout is fine: builds wait for output.
+    with Podman(podman_service.url, timeout=1) as impatient:
+        info = impatient.build(spec, lambda line: seen.append((time.monotonic(), line)))
+    returned = time.monotonic()
+
+    assert info.tags == (f"localhost/kvcd-test/{instance}:1.0",)
+    assert info.labels[INSTANCE_LABEL] == instance
+    assert info.labels[VERSION_LABEL] == "1.0"
+    assert info.labels[KERNEL_LABEL] == KVER
+    assert (info.instance, info.version, info.kernel) == (instance, "1.0", KVER)
+    assert podman.get_image(info.tags[0]) == info
+    text = [line for _, line in seen]
+    assert any(line.startswith("STEP 1/") for line in text)
+    assert f"building 1.0 for {KVER}" in text
+    # Streamed as it happened, not handed over when the build was done.
+    started = next(t for t, line in seen if line == f"building 1.0 for {KVER}")
+    assert returned - started > 1.5
+
+
+def test_build_from_local_tarball(podman: Podman, base_image: str, tmp_path: Path) -> None:
+    instance = uniq("tar")
+    ctx = driver_context(tmp_path, base_image)
+    tarball = tmp_path / "ctx.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(ctx, arcname=".")
+    info = build(podman, tarball, f"localhost/kvcd-test/{instance}:1.0", instance)
+    assert info.labels[INSTANCE_LABEL] == instance
+    assert podman.list_instance_images(instance) == [info]
+
+
+def test_build_with_containerfile_outside_context(
+    podman: Podman, base_image: str, tmp_path: Path
+) -> None:
+    instance = uniq("cf")
+    ctx = driver_context(tmp_path, base_image)
+    outside = tmp_path / "elsewhere" / "Containerfile.driver"
+    outside.parent.mkdir()
+    (ctx / "Containerfile").rename(outside)
+    before = sorted(p.name for p in ctx.iterdir())
+    info = build(
+        podman, ctx, f"localhost/kvcd-test/{instance}:1", instance, containerfile=str(outside)
+    )
+    assert info.instance == instance
+    assert sorted(p.name for p in ctx.iterdir()) == before  # the context was not written to
+
+
+def test_extract_gets_exactly_the_modules(
+    podman: Podman,
+    podman_api: Any,
+    base_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    instance = uniq("ext")
+    info = build(
+        podman, driver_context(tmp_path, base_image), f"localhost/kvcd-test/{instance}:1", instance
+    )
+    store = tmp_path / "store"
+    dest = store / "1.0" / KVER
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(trap))  # any tempfile use would land here
+    tmp_before = set(os.listdir("/tmp"))
+    ctrs_before = {c["Id"] for c in containers(podman_api)}
+
+    got = podman.extract(info.id, f"/lib/modules/{KVER}", dest)
+
+    rel = sorted(p.relative_to(dest).as_posix() for p in got)
+    assert rel == ["extra/a.ko", "extra/sub/b.ko.xz"]
+    on_disk = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if not p.is_dir())
+    assert on_disk == rel  # no symlink, no modules.dep, no README
+    assert (dest / "extra" / "a.ko").read_bytes() == b"\x7fELF fake module a"
+    assert (dest / "extra" / "sub" / "b.ko.xz").read_bytes() == b"fake xz module b"
+    assert [p.name for p in (store / "1.0").iterdir()] == [KVER]  # no staging left over
+    assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+    assert list(trap.iterdir()) == []
+    new_in_tmp = set(os.listdir("/tmp")) - tmp_before
+    # Other jobs may use /tmp meanwhile; look for what kvcd or podman-py would leave there.
+    assert not [n for n in new_in_tmp if "kvcd" in n or "podman" in n], new_in_tmp
+
+    # Extracting again replaces the directory as a whole.
+    (dest / "stale.ko").write_bytes(b"old")
+    podman.extract(info.tags[0], f"/lib/modules/{KVER}/", dest, patterns=("*.ko",))
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*.ko*")) == ["extra/a.ko"]
+
+
+def test_extract_without_modules_fails_and_cleans_up(
+    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    ctrs_before = {c["Id"] for c in containers(podman_api)}
+    dest = tmp_path / "out" / "mods"
+    dest.mkdir(parents=True)
+    (dest / "kept.ko").write_bytes(b"previous")
+
+    with pytest.raises(PodmanError, match=r"no kernel module.*/etc.*kvcd-test/busybox"):
+        podman.extract(base_image, "/etc", dest)
+    with pytest.raises(PodmanError, match=r"no directory /nonexistent in image"):
+        podman.extract(base_image, "/nonexistent", dest)
+    with pytest.raises(PodmanError, match="no such image"):
+        podman.extract("localhost/kvcd-test/never-built:1", "/lib/modules", dest)
+
+    assert (dest / "kept.ko").read_bytes() == b"previous"
+    assert [p.name for p in dest.parent.iterdir()] == ["mods"]
+    assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+
+
+def test_gc_keeps_newest_of_one_instance_only(
+    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    a, b = uniq("gca"), uniq("gcb")
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {base_image}\nARG KMODVER\nRUN echo $KMODVER > /version\n"
+    )
+    built_a = [build(podman, tmp_path, f"localhost/kvcd-test/{a}:{v}", a, v) for v in "1234"]
+    built_b = [build(podman, tmp_path, f"localhost/kvcd-test/{b}:{v}", b, v) for v in "12"]
+    newest_first = [i.id for i in reversed(built_a)]
+    assert [i.id for i in podman.list_instance_images(a)] == newest_first
+    # A second tag must not stop removal (podman refuses deleting such an image by id).
+    resp = podman_api.post(f"/images/{built_a[0].id}/tag", params={"repo": "localhost/x", "tag": a})
+    assert resp.status_code == 201
+
+    removed = podman.gc(a, keep=2)
+
+    assert sorted(i.id for i in removed) == sorted(newest_first[2:])
+    assert [i.id for i in podman.list_instance_images(a)] == newest_first[:2]
+    assert [i.id for i in podman.list_instance_images(b)] == [i.id for i in reversed(built_b)]
+
+    # protect wins over keep; an image a container uses is skipped, not an error.
+    resp = podman_api.post(
+        "/containers/create", data=json.dumps({"image": built_a[2].id, "command": ["true"]})
+    )
+    assert resp.status_code == 201, resp.text
+    ctr = resp.json()["Id"]
+    try:
+        removed = podman.gc(a, keep=0, protect={built_a[3].id[:12]})
+        assert removed == []
+        assert [i.id for i in podman.list_instance_images(a)] == newest_first[:2]
+    finally:
+        podman_api.delete(f"/containers/{ctr}", params={"force": True})
+    assert [i.id for i in podman.gc(a, keep=0, protect={built_a[3].tags[0]})] == [built_a[2].id]
+    assert [i.id for i in podman.list_instance_images(b)] == [i.id for i in reversed(built_b)]
+
+
+def test_failed_build_keeps_previous_image(
+    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    instance = uniq("fail")
+    tag = f"localhost/kvcd-test/{instance}:1.0"
+    good = build(podman, driver_context(tmp_path / "good", base_image), tag, instance)
+    bad_ctx = driver_context(tmp_path / "bad", base_image, run="echo about to fail && false")
+    lines: list[str] = []
+    ctrs_before = {c["Id"] for c in containers(podman_api)}
+    with pytest.raises(PodmanError) as err:
+        build(podman, bad_ctx, tag, instance, lines=lines)
+    message = str(err.value)
+    assert "echo about to fail && false" in message  # the failing step
+    assert "about to fail" in lines
+    assert tag in message
+    assert podman.get_image(tag) == good
+    assert [i.id for i in podman.list_instance_images(instance)] == [good.id]
+    assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+
+
+def test_build_cancelled_by_on_line_leaves_nothing(
+    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    instance = uniq("cancel")
+    ctx = driver_context(tmp_path, base_image, run="echo go && sleep 2 && echo end")
+    ctrs_before = {c["Id"] for c in containers(podman_api)}
+
+    class Stop(Exception):
+        pass
+
+    def on_line(line: str) -> None:
+        if line == "go":
+            raise Stop
+
+    tag = f"localhost/kvcd-test/{instance}:1"
+    spec = BuildSpec(str(ctx), "Containerfile", tag, {"KVER": KVER}, labels(instance))
+    with pytest.raises(Stop):
+        podman.build(spec, on_line)
+    time.sleep(3)  # the step would have finished by now had the build gone on
+    assert podman.get_image(tag) is None
+    assert podman.list_instance_images(instance) == []  # not even untagged
+    assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+
+
+def test_remote_context_errors_are_reported(podman: Podman) -> None:
+    # No network here: this checks the wiring (podman's service clones / downloads itself).
+    spec = BuildSpec("https://127.0.0.1:1/driver.git#main", "Containerfile", "localhost/x:1")
+    with pytest.raises(PodmanError, match=r"cloning .*127\.0\.0\.1:1/driver\.git"):
+        podman.build(spec, lambda line: None)
+    spec = BuildSpec("https://127.0.0.1:1/driver.tar.gz", "Containerfile", "localhost/x:1")
+    with pytest.raises(PodmanError, match=r"127\.0\.0\.1:1/driver\.tar\.gz"):
+        podman.build(spec, lambda line: None)
+
+
+def test_pull_failure_is_permanent_and_quick(podman: Podman) -> None:
+    started = time.monotonic()
+    with pytest.raises(PodmanError, match="localhost:1/nope"):
+        podman.pull("localhost:1/nope:1", "localhost/kvcd-test/nope:1")
+    assert time.monotonic() - started < 10
+    assert podman.get_image("localhost/kvcd-test/nope:1") is None
+
+
+def test_ping_and_missing_image(podman: Podman) -> None:
+    podman.ping()
+    assert podman.get_image("localhost/kvcd-test/never-built:1") is None
+    podman.remove_image("0" * 64)  # missing: nothing to do

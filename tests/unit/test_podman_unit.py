@@ -1,0 +1,491 @@
+"""kvcd.host.podman without a podman service: archive handling, parsing, transport errors."""
+
+from __future__ import annotations
+
+import io
+import socket
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcd.host import podman as pm
+from kvcd.host.podman import (
+    INSTANCE_LABEL,
+    ImageInfo,
+    Podman,
+    PodmanError,
+    PodmanUnavailable,
+    context_kind,
+    extract_members,
+    tar_directory,
+)
+
+
+def make_tar(*members: tuple[str, bytes | None, bytes, str]) -> io.BytesIO:
+    """members: (name, data or None, tar type, linkname)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data, kind, link in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.linkname = link
+            info.size = len(data) if data is not None else 0
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    buf.seek(0)
+    return buf
+
+
+def reg(name: str, data: bytes = b"x") -> tuple[str, bytes, bytes, str]:
+    return (name, data, tarfile.REGTYPE, "")
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if not p.is_dir())
+
+
+# --- extract_members ------------------------------------------------------------------------
+
+
+def test_extracts_matching_regular_files_keeping_subdirs(tmp_path: Path) -> None:
+    archive = make_tar(
+        ("extra", None, tarfile.DIRTYPE, ""),
+        reg("extra/a.ko", b"A"),
+        reg("./extra/sub/b.ko.xz", b"B"),
+        reg("updates/c.ko.zst", b"C"),
+        reg("d.ko.gz", b"D"),
+        reg("modules.dep", b"dep"),
+        reg("extra/README", b"no"),
+        reg("extra/a.ko.sig", b"no"),
+    )
+    got = extract_members(archive, tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == [
+        "extra/a.ko",
+        "extra/sub/b.ko.xz",
+        "updates/c.ko.zst",
+        "d.ko.gz",
+    ]
+    assert files_under(tmp_path) == sorted(p.relative_to(tmp_path).as_posix() for p in got)
+    assert (tmp_path / "extra/sub/b.ko.xz").read_bytes() == b"B"
+    assert (tmp_path / "extra/a.ko").stat().st_mode & 0o777 == 0o644
+
+
+def test_links_devices_and_fifos_are_never_written(tmp_path: Path) -> None:
+    archive = make_tar(
+        reg("extra/real.ko", b"R"),
+        ("extra/sym.ko", None, tarfile.SYMTYPE, "/etc/shadow"),
+        ("extra/hard.ko", None, tarfile.LNKTYPE, "extra/real.ko"),
+        ("extra/dev.ko", None, tarfile.CHRTYPE, ""),
+        ("extra/fifo.ko", None, tarfile.FIFOTYPE, ""),
+        ("build", None, tarfile.SYMTYPE, "/usr/src/linux"),
+    )
+    got = extract_members(archive, tmp_path)
+    assert [p.name for p in got] == ["real.ko"]
+    assert files_under(tmp_path) == ["extra/real.ko"]
+    assert not any(p.is_symlink() for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../evil.ko", "/abs/evil.ko", "extra/../../evil.ko", "../etc/passwd", "/etc/cron.d/x"],
+)
+def test_path_traversal_refuses_the_archive(tmp_path: Path, name: str) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    archive = make_tar(reg("extra/ok.ko"), reg(name, b"evil"))
+    with pytest.raises(PodmanError, match=r"img:/lib/modules: refusing archive member"):
+        extract_members(archive, dest, source="img:/lib/modules")
+    assert not (tmp_path / "evil.ko").exists()
+    assert not list(tmp_path.glob("**/evil.ko"))
+
+
+def test_garbage_is_a_permanent_error(tmp_path: Path) -> None:
+    with pytest.raises(PodmanError, match="unreadable archive"):
+        extract_members(io.BytesIO(b"this is not a tar archive" * 40), tmp_path)
+
+
+def test_chunk_reader_feeds_tarfile_stream_mode(tmp_path: Path) -> None:
+    data = make_tar(reg("a.ko", b"A" * 70000), reg("b/c.ko", b"C")).getvalue()
+    chunks = iter([data[i : i + 777] for i in range(0, len(data), 777)])
+    reader = io.BufferedReader(pm._ChunkReader(chunks))
+    got = extract_members(reader, tmp_path)
+    assert [p.name for p in got] == ["a.ko", "c.ko"]
+    assert (tmp_path / "a.ko").read_bytes() == b"A" * 70000
+
+
+# --- tar_directory ------------------------------------------------------------------------------
+
+
+def test_tar_directory_streams_a_faithful_archive(tmp_path: Path) -> None:
+    ctx = tmp_path / "ctx"
+    deep = ctx / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    (deep / "long-name.c").write_bytes(b"int x;\n")
+    (ctx / "empty").write_bytes(b"")
+    (ctx / "block").write_bytes(b"b" * 1024)
+    (ctx / "run.sh").write_text("#!/bin/sh\n")
+    (ctx / "run.sh").chmod(0o755)
+    (ctx / "link").symlink_to("run.sh")
+    outside = tmp_path / "Containerfile"
+    outside.write_text("FROM scratch\n")
+
+    stream = b"".join(tar_directory(ctx, {".kvcd.Containerfile": outside}))
+
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert set(members) == {
+            "d" * 60,
+            f"{'d' * 60}/{'e' * 60}",
+            f"{'d' * 60}/{'e' * 60}/long-name.c",
+            "empty",
+            "block",
+            "run.sh",
+            "link",
+            ".kvcd.Containerfile",
+        }
+        assert members["link"].issym() and members["link"].linkname == "run.sh"
+        assert members["run.sh"].mode == 0o755
+        assert members["empty"].size == 0
+        assert all(m.uid == 0 and m.uname == "root" for m in members.values())
+        read = tar.extractfile(members[f"{'d' * 60}/{'e' * 60}/long-name.c"])
+        assert read is not None and read.read() == b"int x;\n"
+        read = tar.extractfile(members[".kvcd.Containerfile"])
+        assert read is not None and read.read() == b"FROM scratch\n"
+
+
+# --- small pure helpers -----------------------------------------------------------------------
+
+
+def test_context_kind(tmp_path: Path) -> None:
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx.tar.gz").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    assert context_kind(str(tmp_path / "ctx")) == "dir"
+    assert context_kind(str(tmp_path / "ctx.tar.gz")) == "tarball"
+    assert context_kind("https://example.com/org/driver.git") == "git"
+    assert context_kind("https://example.com/org/driver.git#v1.2:src") == "git"
+    assert context_kind("https://example.com/driver-1.2.tar.xz") == "url"
+    for bad, why in [
+        ("http://example.com/driver.git", "only https"),
+        ("https://example.com/org/driver", "must be a git repository"),
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(tmp_path / "notes.txt"), "neither a directory nor a tarball"),
+    ]:
+        with pytest.raises(PodmanError, match=why):
+            context_kind(bad)
+
+
+def test_split_ref() -> None:
+    assert pm._split_ref("localhost/kvcd/drv:1.2") == ("localhost/kvcd/drv", "1.2")
+    assert pm._split_ref("reg:5000/drv") == ("reg:5000/drv", "latest")
+    assert pm._split_ref("reg:5000/drv:v1") == ("reg:5000/drv", "v1")
+    with pytest.raises(PodmanError, match="digest"):
+        pm._split_ref("reg/drv@sha256:" + "0" * 64)
+
+
+def test_timestamp() -> None:
+    assert pm._timestamp(1700000000) == 1700000000.0
+    assert pm._timestamp("2023-11-14T22:13:20Z") == 1700000000.0
+    assert pm._timestamp("2023-11-14T22:13:20.123456789Z") == pytest.approx(1700000000.123456789)
+    assert pm._timestamp("2023-11-15T00:13:20.5+02:00") == 1700000000.5
+    assert pm._timestamp(None) == 0.0
+
+
+def test_protected() -> None:
+    info = ImageInfo("ab" * 32, ("localhost/x:1",), {INSTANCE_LABEL: "x"}, 0.0)
+    assert pm._protected(info, {"ab" * 32})
+    assert pm._protected(info, {"sha256:" + "ab" * 32})
+    assert pm._protected(info, {"ab" * 6})
+    assert not pm._protected(info, {"ab"})  # too short to mean one image
+    assert pm._protected(info, ["localhost/x:1"])
+    assert not pm._protected(info, ["localhost/x:2"])
+
+
+def test_build_log_joins_partial_lines_and_finds_the_image_id() -> None:
+    lines: list[str] = []
+    out = pm._BuildLog(lines.append)
+    for msg in [
+        {"stream": "STEP 1/2: FROM x\n"},
+        {"stream": "part"},
+        {"stream": "ial\nnext\n"},
+        {"stream": "c" * 64 + "\n"},
+    ]:
+        out.feed(msg)
+    out.flush()
+    assert lines == ["STEP 1/2: FROM x", "partial", "next", "c" * 64]
+    assert out.image_id == "c" * 64
+    assert out.error is None
+    out.feed({"error": "boom\n"})
+    assert out.error == "boom"
+
+
+def test_from_env() -> None:
+    assert Podman.from_env({}).url == pm.DEFAULT_URL
+    assert Podman.from_env({"CONTAINER_HOST": "unix:///x.sock"}).url == "unix:///x.sock"
+    with pytest.raises(PodmanError, match="bad podman API URL"):
+        Podman("ftp://nowhere")
+
+
+# --- transport errors are transient -------------------------------------------------------------
+
+
+def test_missing_socket_is_unavailable_quickly(tmp_path: Path) -> None:
+    url = f"unix://{tmp_path}/none.sock"
+    started = time.monotonic()
+    with pytest.raises(PodmanUnavailable, match=url):
+        Podman(url, timeout=5).ping()
+    assert time.monotonic() - started < 1
+
+
+def test_refused_socket_is_unavailable_quickly(tmp_path: Path) -> None:
+    path = tmp_path / "dead.sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))  # bound, never listening: connect() is refused
+    try:
+        started = time.monotonic()
+        with pytest.raises(PodmanUnavailable, match="did not answer"):
+            Podman(f"unix://{path}", timeout=5).get_image("x")
+        assert time.monotonic() - started < 1
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def silent_server(tmp_path: Path) -> Iterator[tuple[Path, list[socket.socket]]]:
+    """A unix socket that accepts and then says nothing."""
+    path = tmp_path / "silent.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path, accepted
+    finally:
+        stop.set()
+        thread.join()
+        srv.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_silent_service_times_out_as_unavailable(
+    silent_server: tuple[Path, list[socket.socket]],
+) -> None:
+    path, _ = silent_server
+    started = time.monotonic()
+    with pytest.raises(PodmanUnavailable):
+        Podman(f"unix://{path}", timeout=0.5).ping()
+    assert time.monotonic() - started < 3
+
+
+def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "cut.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        # Drain the (chunked) body up to its terminating chunk before answering.
+        while not data.endswith(b"0\r\n\r\n"):
+            data += conn.recv(65536)
+        chunk = b'{"stream":"STEP 1/2: FROM x\\n"}\n'
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+        )
+        conn.close()  # gone without the terminating chunk
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Containerfile").write_text("FROM x\n")
+    lines: list[str] = []
+    spec = pm.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
+    try:
+        with pytest.raises(PodmanUnavailable, match="build localhost/x:1"):
+            Podman(f"unix://{path}", timeout=5).build(spec, lines.append)
+    finally:
+        thread.join(5)
+        srv.close()
+    assert lines == ["STEP 1/2: FROM x"]
+
+
+# --- a fake API service, for replies podman cannot give here (no registry is reachable) ----------
+
+
+class FakeAPI:
+    """A unix-socket HTTP server answering (method, path suffix) with canned JSON replies."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.routes: dict[tuple[str, str], tuple[int, list[object]]] = {}
+        self.requests: list[tuple[str, str, dict[str, list[str]]]] = []
+
+    def reply(self, method: str, suffix: str, status: int, *objects: object) -> None:
+        self.routes[(method, suffix)] = (status, list(objects))
+
+
+@pytest.fixture
+def fake_api(tmp_path: Path) -> Iterator[FakeAPI]:
+    import json
+    import socketserver
+    from http.server import BaseHTTPRequestHandler
+    from urllib.parse import parse_qs, urlsplit
+
+    api = FakeAPI(tmp_path / "fake.sock")
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def address_string(self) -> str:
+            return "fake"
+
+        def handle_any(self) -> None:
+            url = urlsplit(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            api.requests.append((self.command, url.path, parse_qs(url.query)))
+            status, objects = next(
+                (
+                    answer
+                    for (method, suffix), answer in api.routes.items()
+                    if method == self.command and url.path.endswith(suffix)
+                ),
+                (404, [{"message": "no route", "cause": "fake"}]),
+            )
+            body = b"".join(json.dumps(o).encode() + b"\n" for o in objects)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = handle_any
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    server = Server(str(api.path), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield api
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+IMAGE_ID = "f" * 64
+
+
+def test_pull_tags_the_pulled_image(fake_api: FakeAPI) -> None:
+    fake_api.reply(
+        "POST",
+        "/images/pull",
+        200,
+        {"stream": "Trying to pull quay.io/org/drv:1...\n"},
+        {"images": [IMAGE_ID], "id": IMAGE_ID},
+    )
+    fake_api.reply("POST", f"/images/{IMAGE_ID}/tag", 201)
+    fake_api.reply(
+        "GET",
+        f"/images/{IMAGE_ID}/json",
+        200,
+        {
+            "Id": IMAGE_ID,
+            "RepoTags": ["quay.io/org/drv:1", "localhost/kvcd/drv:1"],
+            "Labels": {INSTANCE_LABEL: "drv"},
+            "Created": "2023-11-14T22:13:20.5Z",
+        },
+    )
+    info = Podman(f"unix://{fake_api.path}").pull("quay.io/org/drv:1", "localhost/kvcd/drv:1")
+    assert info == ImageInfo(
+        IMAGE_ID,
+        ("quay.io/org/drv:1", "localhost/kvcd/drv:1"),
+        {INSTANCE_LABEL: "drv"},
+        1700000000.5,
+    )
+    (_, _, pull), (_, _, tag), _ = fake_api.requests
+    assert pull == {"reference": ["quay.io/org/drv:1"]}  # no auth or policy of ours
+    assert tag == {"repo": ["localhost/kvcd/drv"], "tag": ["1"]}
+
+
+def test_pull_error_is_permanent(fake_api: FakeAPI) -> None:
+    fake_api.reply(
+        "POST",
+        "/images/pull",
+        200,
+        {"stream": "Trying to pull quay.io/org/drv:1...\n"},
+        {"error": "Source image rejected: A signature was required, but no signature exists"},
+    )
+    with pytest.raises(PodmanError, match=r"pull quay\.io/org/drv:1: Source image rejected"):
+        Podman(f"unix://{fake_api.path}").pull("quay.io/org/drv:1", "localhost/kvcd/drv:1")
+    assert [r[1].rsplit("/", 2)[-2:] for r in fake_api.requests] == [["images", "pull"]]
+
+
+def test_http_errors_are_permanent_with_the_service_message(fake_api: FakeAPI) -> None:
+    fake_api.reply(
+        "GET",
+        "/images/json",
+        500,
+        {"cause": "boom", "message": "storage is corrupt", "response": 500},
+    )
+    with pytest.raises(PodmanError, match=r"list images .*: storage is corrupt"):
+        Podman(f"unix://{fake_api.path}").list_instance_images("drv")
+
+
+def test_unreadable_context_is_permanent_not_unavailable(
+    silent_server: tuple[Path, list[socket.socket]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(root: Path, extra: object = None) -> Iterator[bytes]:
+        yield b"\0" * 512
+        raise PermissionError(13, "Permission denied", str(root / "secret.c"))
+
+    monkeypatch.setattr(pm, "tar_directory", broken)
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Containerfile").write_text("FROM x\n")
+    path, _ = silent_server
+    spec = pm.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
+    with pytest.raises(PodmanError, match=r"reading the context: .*secret\.c"):
+        Podman(f"unix://{path}", timeout=2).build(spec, lambda line: None)
+
+
+def test_remove_image_refuses_an_image_in_use(fake_api: FakeAPI) -> None:
+    fake_api.reply(
+        "GET",
+        "/images/localhost/kvcd/drv:1/json",
+        200,
+        {"Id": IMAGE_ID, "RepoTags": ["localhost/kvcd/drv:1"], "Labels": {}, "Created": 1},
+    )
+    fake_api.reply("GET", f"/images/{IMAGE_ID}/json", 200, {"Id": IMAGE_ID, "Created": 1})
+    fake_api.reply("GET", "/images/json", 200, [{"Id": IMAGE_ID, "Containers": 1}])
+    with pytest.raises(pm.ImageInUse, match="in use by 1 container"):
+        Podman(f"unix://{fake_api.path}").remove_image("localhost/kvcd/drv:1")
+    assert not [r for r in fake_api.requests if r[0] == "DELETE"]
