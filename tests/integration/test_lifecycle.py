@@ -98,7 +98,10 @@ def test_build_extract_activate_depmod_resolves_in_dependency_order(
     store = node.root.store("e2e") / "1.0" / node.kernel
     manifest = json.loads((store / ".kvcd-manifest.json").read_text())
     assert manifest["modules"]["kvcd_user"]["vermagic"] == node.kernel
-    assert manifest["modules"]["kvcd_base"]["srcversion"] == kmod.modinfo(node.kmods.base)["srcversion"][0]
+    assert (
+        manifest["modules"]["kvcd_base"]["srcversion"]
+        == kmod.modinfo(node.kmods.base)["srcversion"][0]
+    )
 
     # The dry-run plan of a load: no image work left, activate, then load in order.
     capsys.readouterr()
@@ -164,4 +167,5 @@ def test_image_for_another_kernel_is_refused_before_anything_is_activated(
     node.instance("wk", "1.0")
     assert node.kvcd("build", "wk", "--kernel", "6.1.0-99-amd64") == 1
     err = capsys.readouterr().err
-    assert f"WrongKernel: kvcd_base.ko in localhost/kvcd-wk-1.0:6.1.0-99-amd64 was built for {node.kernel}" in err
+    tag = "localhost/kvcd-wk-1.0:6.1.0-99-amd64"
+    assert f"WrongKernel: kvcd_base.ko in {tag} was built for {node.kernel}" in err

@@ -1,0 +1,190 @@
+"""Guest-side kvcd scenarios (a)-(f), run in order by pytest inside the VM guest.
+
+Each test leaves the instance in the state the next one starts from; the host-side tests in
+tests/e2e/test_vm.py report one result per scenario. Contracts used: kvcd@.service (Type=notify,
+`kvcd run %i`), `kvcd status [--json]` (per instance: state Done|Working|Degraded, reason,
+version, kernel), `kvcd check-config NAME`, journald fields KVCD_INSTANCE, KVCD_STATE,
+KVCD_VERSION, KVCD_KERNEL, MESSAGE_ID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from kvcdguest import (
+    DRIVER_DIR,
+    INSTANCE,
+    image_ids,
+    module_version,
+    proc_modules,
+    record_timing,
+    set_instance,
+    sh,
+    state_is,
+    wait_for,
+)
+
+UNIT = f"kvcd@{INSTANCE}.service"
+MODS = ("kvcd_base", "kvcd_user")
+BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
+TIMINGS: dict[str, float] = {}
+
+
+def kver() -> str:
+    return os.uname().release
+
+
+def both_loaded() -> bool:
+    mods = proc_modules()
+    return all(m in mods for m in MODS)
+
+
+def none_loaded() -> bool:
+    mods = proc_modules()
+    return not any(m in mods for m in MODS)
+
+
+def start_and_wait_done(unit: str = UNIT, instance: str = INSTANCE) -> float:
+    """systemctl start, then wait until kvcd reports Done; returns seconds taken."""
+    t0 = time.monotonic()
+    sh(["systemctl", "start", unit], timeout=BUILD_TIMEOUT)
+    st = wait_for(
+        state_is("Done", "Degraded", instance=instance), BUILD_TIMEOUT, f"{instance} to settle"
+    )
+    dt = time.monotonic() - t0
+    assert st["state"] == "Done", st
+    return dt
+
+
+def stop_and_wait_unloaded(unit: str = UNIT) -> None:
+    sh(["systemctl", "stop", unit], timeout=600)
+    wait_for(none_loaded, 120, "kvcd_base and kvcd_user to be unloaded")
+
+
+def test_kvcd_installed() -> None:
+    sh(["kvcd", "--help"], timeout=60)
+    sh(["systemctl", "cat", "kvcd@.service"])
+    sh(["kvcd", "check-config", INSTANCE], timeout=60)
+
+
+def test_a_start_loads_modules_in_order() -> None:
+    assert none_loaded(), "test modules already loaded before kvcd started"
+    dmesg_before = sh(["dmesg"]).stdout
+    dt = start_and_wait_done()
+    TIMINGS["first_start"] = dt
+    record_timing("scenario_a_first_start", dt)
+    mods = proc_modules()
+    assert both_loaded(), sorted(mods)
+    # Dependency: kvcd_user uses kvcd_base's symbol, so the kernel lists it as a user of base.
+    assert "kvcd_user" in mods["kvcd_base"], mods["kvcd_base"]
+    # Load order: base's init message precedes user's.
+    new = sh(["dmesg"]).stdout[len(dmesg_before) :]
+    i_base, i_user = new.find("kvcd_base: loaded"), new.find("kvcd_user: loaded")
+    assert 0 <= i_base < i_user, new[-2000:]
+    assert module_version("kvcd_user") == "1.0"
+    assert "greeting=hello" in Path("/proc/kvcd_user").read_text()
+    assert sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    assert "Done" in sh(["kvcd", "status"]).stdout
+    st = state_is("Done")()
+    assert st and st.get("version") == "1.0" and st.get("kernel") == kver(), st
+    # Modules came from kvcd's own module root, not /lib/modules.
+    assert any(Path("/var/lib/kvcd/modules").rglob("kvcd_user.ko*"))
+
+
+def test_b_stop_unloads_restart_uses_cache() -> None:
+    stop_and_wait_unloaded()
+    images = image_ids()
+    dt = start_and_wait_done()
+    record_timing("scenario_b_second_start", dt)
+    assert both_loaded()
+    assert image_ids() == images, "a new image appeared: the second start rebuilt"
+    first = TIMINGS.get("first_start")
+    if first is not None:
+        assert dt < first, f"second start {dt:.1f}s not faster than first {first:.1f}s"
+
+
+def test_c_reload_loads_new_version_and_params() -> None:
+    assert both_loaded()
+    set_instance(version="2.0", **{"params.kvcd_user.greeting": "hello-v2"})
+    t0 = time.monotonic()
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    wait_for(
+        lambda: module_version("kvcd_user") == "2.0" and module_version("kvcd_base") == "2.0",
+        BUILD_TIMEOUT,
+        "version 2.0 of both modules",
+    )
+    st = wait_for(state_is("Done"), 300, "Done after reload")
+    record_timing("scenario_c_reload", time.monotonic() - t0)
+    assert st.get("version") == "2.0", st
+    param = Path("/sys/module/kvcd_user/parameters/greeting")
+    assert param.read_text().strip() == "hello-v2"
+    assert "version=2.0" in Path("/proc/kvcd_user").read_text()
+    assert "kvcd_user" in proc_modules()["kvcd_base"]
+
+
+def test_d_journal_has_structured_fields() -> None:
+    p = sh(["journalctl", "--no-pager", "-o", "json", "-u", UNIT, f"KVCD_INSTANCE={INSTANCE}"])
+    entries = [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
+    assert entries, "no journal entries with KVCD_INSTANCE for the unit"
+    assert all(e.get("KVCD_INSTANCE") == INSTANCE for e in entries)
+    states = {e.get("KVCD_STATE") for e in entries}
+    assert "Done" in states, states
+    assert any(e.get("KVCD_VERSION") == "2.0" for e in entries)
+    assert any(e.get("KVCD_KERNEL") == kver() for e in entries)
+    assert any(e.get("MESSAGE_ID") for e in entries), "no MESSAGE_ID on any kvcd entry"
+
+
+def test_e_unloadable_module_degrades_keeps_previous() -> None:
+    assert module_version("kvcd_user") == "2.0"
+    set_instance(version="3.0", modules=["kvcd_base", "kvcd_user", "kvcd_bad"])
+    try:
+        t0 = time.monotonic()
+        sh(["systemctl", "reload", UNIT], check=False, timeout=BUILD_TIMEOUT)
+        st = wait_for(state_is("Degraded"), BUILD_TIMEOUT, "Degraded")
+        record_timing("scenario_e_degraded", time.monotonic() - t0)
+        reason = str(st.get("reason", ""))
+        assert "kvcd_no_such_symbol" in reason or "Unknown symbol" in reason, st
+        mods = proc_modules()
+        assert "kvcd_bad" not in mods
+        assert both_loaded(), sorted(mods)
+        assert module_version("kvcd_user") == "2.0"
+        assert module_version("kvcd_base") == "2.0"
+        assert "Degraded" in sh(["kvcd", "status"], check=False).stdout
+    finally:
+        # Back to the good config for the scenarios that follow.
+        set_instance(version="2.0", modules=["kvcd_base", "kvcd_user"])
+        sh(["systemctl", "reload", UNIT], check=False, timeout=BUILD_TIMEOUT)
+    wait_for(state_is("Done"), BUILD_TIMEOUT, "Done after restoring the good config")
+
+
+KVC_NAME = "e2e-kvc"
+
+
+@pytest.fixture
+def kvc_files():  # type: ignore[no-untyped-def]
+    src = DRIVER_DIR / "kvc"
+    conf, lib = Path(f"/etc/kvc/{KVC_NAME}.conf"), Path(f"/usr/lib/kvc/{KVC_NAME}-lib.sh")
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / f"{KVC_NAME}.conf", conf)
+    shutil.copy(src / f"{KVC_NAME}-lib.sh", lib)
+    yield
+    sh(["systemctl", "stop", f"kvcd@{KVC_NAME}.service"], check=False)
+
+
+def test_f_kvc_format_instance(kvc_files: None) -> None:
+    sh(["systemctl", "stop", UNIT], check=False, timeout=600)
+    wait_for(none_loaded, 120, "e2e-kmod's modules to be unloaded")
+    sh(["kvcd", "check-config", KVC_NAME], timeout=60)
+    unit = f"kvcd@{KVC_NAME}.service"
+    dt = start_and_wait_done(unit, KVC_NAME)
+    record_timing("scenario_f_kvc_start", dt)
+    assert both_loaded()
+    assert module_version("kvcd_user") == "1.0"
+    assert "kvcd_user" in proc_modules()["kvcd_base"]
+    stop_and_wait_unloaded(unit)

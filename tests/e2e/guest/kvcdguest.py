@@ -1,0 +1,139 @@
+"""Helpers for the guest-side e2e scripts (run by pytest inside the VM guest, as root).
+
+Only the standard library and what the guest image has (pytest, podman-py, pyelftools).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PAYLOAD = Path(os.environ.get("KVCD_E2E_PAYLOAD", "/mnt/e2e"))
+RESULTS = Path(os.environ.get("KVCD_E2E_RESULTS", "/mnt/e2e/results"))
+DRIVER_DIR = Path("/var/lib/kvcd-e2e/driver")
+INSTANCE = "e2e-kmod"
+INSTANCE_FILE = Path("/etc/kvcd/instances/e2e-kmod.toml")
+BASE_IMAGE = "localhost/kvcd-e2e-base:latest"
+PODMAN_SOCK = "unix:///run/podman/podman.sock"
+
+
+def sh(
+    argv: Sequence[str], *, check: bool = True, timeout: float = 600, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run argv, log it (pytest shows it on failure), return the completed process."""
+    t0 = time.monotonic()
+    p = subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=timeout, input=input, check=False
+    )
+    dt = time.monotonic() - t0
+    print(f"$ {' '.join(argv)}  [rc={p.returncode}, {dt:.1f}s]")
+    if p.stdout.strip():
+        print(p.stdout.rstrip()[-4000:])
+    if p.stderr.strip():
+        print("stderr:", p.stderr.rstrip()[-4000:])
+    if check and p.returncode != 0:
+        raise AssertionError(f"{argv!r} failed rc={p.returncode}: {p.stderr.strip()[-2000:]}")
+    return p
+
+
+def proc_modules() -> dict[str, list[str]]:
+    """Loaded modules -> the modules that use them (/proc/modules 'used by' column)."""
+    out: dict[str, list[str]] = {}
+    for line in Path("/proc/modules").read_text().splitlines():
+        f = line.split()
+        out[f[0]] = [u for u in f[3].split(",") if u and u != "-"]
+    return out
+
+
+def module_version(name: str) -> str | None:
+    p = Path(f"/sys/module/{name}/version")
+    return p.read_text().strip() if p.exists() else None
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def kvcd_status(instance: str = INSTANCE) -> dict[str, Any] | None:
+    """This instance's entry of `kvcd status --json`, tolerant of the exact JSON nesting."""
+    p = sh(["kvcd", "status", "--json"], check=False, timeout=60)
+    if p.returncode not in (0, 1) or not p.stdout.strip():
+        return None
+    try:
+        doc = json.loads(p.stdout)
+    except ValueError:
+        return None
+    return _find_instance(doc, instance)
+
+
+def _find_instance(doc: Any, instance: str) -> dict[str, Any] | None:
+    if isinstance(doc, dict):
+        if "instances" in doc:
+            return _find_instance(doc["instances"], instance)
+        if isinstance(doc.get(instance), dict):
+            return {"name": instance, **doc[instance]}
+        if doc.get("name") == instance or doc.get("instance") == instance:
+            return doc
+    if isinstance(doc, list):
+        for item in doc:
+            if isinstance(item, dict) and instance in (item.get("name"), item.get("instance")):
+                return item
+    return None
+
+
+def state_is(*states: str, instance: str = INSTANCE) -> Callable[[], dict[str, Any] | None]:
+    def pred() -> dict[str, Any] | None:
+        st = kvcd_status(instance)
+        return st if st and st.get("state") in states else None
+
+    return pred
+
+
+def set_instance(path: Path = INSTANCE_FILE, **values: Any) -> None:
+    """Rewrite top-level `key = value` lines (TOML) in the instance file; tables too via
+    'table.key' names, e.g. set_instance(**{"params.kvcd_user.greeting": "x"})."""
+    text = path.read_text()
+    for key, value in values.items():
+        table, _, k = key.rpartition(".")
+        rendered = json.dumps(value)
+        pat = re.compile(rf"^(\s*{re.escape(k)}\s*=\s*).*$", re.M)
+        if table:
+            hdr = re.search(rf"^\[{re.escape(table)}\]\s*$", text, re.M)
+            assert hdr, f"no [{table}] in {path}"
+            nxt = re.search(r"^\[", text[hdr.end() :], re.M)
+            end = hdr.end() + (nxt.start() if nxt else len(text) - hdr.end())
+            section = text[hdr.end() : end]
+            section, n = pat.subn(lambda m, r=rendered: m.group(1) + r, section, count=1)
+            assert n, f"no {k} in [{table}] of {path}"
+            text = text[: hdr.end()] + section + text[end:]
+        else:
+            first_table = re.search(r"^\[", text, re.M)
+            head_end = first_table.start() if first_table else len(text)
+            head, n = pat.subn(lambda m, r=rendered: m.group(1) + r, text[:head_end], count=1)
+            assert n, f"no top-level {k} in {path}"
+            text = head + text[head_end:]
+    path.write_text(text)
+    print(f"{path}:\n{text}")
+
+
+def image_ids() -> set[str]:
+    p = sh(["podman", "images", "--all", "--format", "{{.ID}}"], timeout=120)
+    return set(p.stdout.split())
+
+
+def record_timing(name: str, seconds: float) -> None:
+    with (RESULTS / "timings.txt").open("a") as f:
+        f.write(f"{name} {seconds:.1f}\n")
