@@ -6,7 +6,6 @@ of the instance flow, and the integration test of the `kvcd run` process and its
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -73,8 +72,17 @@ def store_version(
 
 
 def write_config(root: HostRoot, name: str, text: str) -> Path:
-    path = root(f"/etc/kvcd/instances/{name}.toml")
+    return write(root(f"/etc/kvcd/instances/{name}.toml"), text)
+
+
+def write(path: Path, text: str, mode: int = 0o644) -> Path:
+    """Write a file with an exact mode, creating its directories (config files are mode-checked)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    os.chmod(path, 0o644)
+    path.chmod(mode)
     return path
+
+
+def doc(*lines: str) -> str:
+    """A file's text from its lines, so tables can say which line a row breaks."""
+    return "\n".join(lines) + "\n"

@@ -17,37 +17,15 @@ from kvcd.config.loader import (
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec, Settings
 from kvcd.config.tomlsrc import KeyLines
 from kvcd.host.paths import HostRoot
+from tests.fakehost import doc, write
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = Path("/etc/kvcd/instances/foo.toml")
 NOBODY = 65534
 
 
-def doc(*lines: str) -> str:
-    return "\n".join(lines) + "\n"
-
-
 # A valid start for rows that only break one thing further down (lines 1-3).
 HEAD = ('version = "1.0"', 'modules = ["kvcd_base", "kvcd_user"]', 'image = "reg.example/foo:x"')
-
-
-def write(path: Path, text: str, mode: int = 0o644) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-    return path
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> HostRoot:
-    hostroot = tmp_path / "host"
-    hostroot.mkdir()
-    return HostRoot(hostroot)
-
-
-@pytest.fixture
-def marker(tmp_path: Path) -> Path:
-    return tmp_path / "pwned"
 
 
 # --- good configs --------------------------------------------------------------------------

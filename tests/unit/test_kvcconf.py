@@ -11,13 +11,10 @@ from kvcd.config.kvcconf import Assignment, parse_assignments
 from kvcd.config.loader import load_instance, parse_kvc_conf
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec
 from kvcd.host.paths import HostRoot
+from tests.fakehost import doc, write
 
 SRC = Path("/etc/kvc/simple-kmod.conf")
 NOBODY = 65534
-
-
-def doc(*lines: str) -> str:
-    return "\n".join(lines) + "\n"
 
 
 # The three required variables (lines 1-3), for rows that break something after them.
@@ -26,25 +23,6 @@ HEAD = (
     'KMOD_NAMES="simple-kmod simple-procfs-kmod"',
     "KMOD_CONTAINER_BUILD_CONTEXT=https://github.com/kmods-via-containers/kvc-simple-kmod.git",
 )
-
-
-def write(path: Path, text: str, mode: int = 0o644) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(mode)
-    return path
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> HostRoot:
-    hostroot = tmp_path / "host"
-    hostroot.mkdir()
-    return HostRoot(hostroot)
-
-
-@pytest.fixture
-def marker(tmp_path: Path) -> Path:
-    return tmp_path / "pwned"
 
 
 # --- good confs ----------------------------------------------------------------------------
