@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     grp.add_argument("instance", metavar="NAME", nargs="?")
     grp.add_argument("--all", action="store_true")
     cc.add_argument("--kernel", metavar="KVER")
+    kb = sub.add_parser("kabi", help="would an instance's modules (or a .ko) load on kernel KVER?")
+    kb.add_argument(
+        "target",
+        metavar="NAME|PATH.ko",
+        help="instance (its newest extracted modules) or a module file (not under --root)",
+    )
+    kb.add_argument("--kernel", metavar="KVER", required=True, help="kernel release to check")
+    kb.add_argument("--json", action="store_true")
     wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
     wr.add_argument("instance", metavar="NAME")
     wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
@@ -89,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = HostRoot(Path(args.root))
     if args.verb == "status":
         return _status(root, args.instance, args.json)
+    if args.verb == "kabi":
+        from kvcd.daemon.kabi import kabi_command
+
+        return kabi_command(root, args.target, args.kernel, args.json)
     from kvcd.config.model import ConfigError
 
     try:

@@ -20,6 +20,14 @@ APT_PACKAGES=(
   python3-venv
 )
 
+# A second 6.1 headers ABI for the kABI tests: the oldest the archive still has (Debian retires
+# old ABI names, so it is looked up rather than pinned).
+if ! ls -d /usr/src/linux-headers-6.1.0-*-amd64 2>/dev/null | sed -n 2p | grep -q .; then
+  [ -n "$(apt-cache policy linux-headers-amd64 2>/dev/null)" ] || apt-get update -qq
+  older=$(apt-cache search --names-only '^linux-headers-6\.1\.0-[0-9]+-amd64$' | cut -d' ' -f1 | sort -V | head -1)
+  [ -n "$older" ] && APT_PACKAGES+=("$older")
+fi
+
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

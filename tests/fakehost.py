@@ -63,10 +63,11 @@ def store_version(
     """An already extracted version in kvcd's store, as the executor leaves it."""
     d = root.store(instance) / version / kernel
     d.mkdir(parents=True, exist_ok=True)
-    manifest = {"version": version, "kernel": kernel, "image": "test", "modules": {}}
+    entries = {}
     for name in modules:
         (d / f"{name}.ko").write_bytes(f"{name} {version}".encode())
-        manifest["modules"][name] = {"file": f"{name}.ko", "srcversion": f"{name}-{version}"}
+        entries[name] = {"file": f"{name}.ko", "srcversion": f"{name}-{version}"}
+    manifest = {"version": version, "kernel": kernel, "image": "test", "modules": entries}
     (d / ".kvcd-manifest.json").write_text(json.dumps(manifest))
     return d
 
