@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import plan as planner
 from kvcd.core import state
+from kvcd.core.actions import Verify
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
@@ -77,7 +78,7 @@ class Instance:
                 generation=generation,
                 pid=pid,
             )
-            changes = [a for a in plan.actions if type(a).__name__ != "Verify"]
+            changes = [a for a in plan.actions if not isinstance(a, Verify)]
             if changes or plan.blocked:
                 self._record(record, state.WORKING, "")
             try:

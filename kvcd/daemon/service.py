@@ -48,6 +48,7 @@ class Service:
         self.notify = notifier
         self.backoff = backoff or Backoff()
         self.cfg: InstanceConfig | None = None
+        self.config_invalid = False
         self._pending: set[int] = set()
         self._rsock, self._wsock = socket.socketpair()
         self._sel = selectors.DefaultSelector()
@@ -87,10 +88,12 @@ class Service:
 
     # -- work --------------------------------------------------------------------------------------
     def _instance(self) -> Instance | None:
+        self.config_invalid = False
         try:
             settings = load_settings(self.root)
             self.cfg = load_instance(self.root, self.name)
         except ConfigError as exc:
+            self.config_invalid = True
             reason = state.reason_text(state.CONFIG_INVALID, str(exc))
             log.error("%s", reason, extra={**self.fields, "KVCD_STATE": state.DEGRADED})
             record_failure(self.root, self.name, self.kernel, reason, os.getpid())
@@ -166,7 +169,8 @@ class Service:
             if not self.reconcile():
                 if self._take(signal.SIGTERM, signal.SIGINT):
                     return self.stop()
-                return 1
+                # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.
+                return 2 if self.config_invalid else 1
             self.notify.ready(f"Done: {self.name} loaded")
             while True:
                 self._wait(None)

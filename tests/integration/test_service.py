@@ -173,7 +173,7 @@ def test_reload_to_a_failing_version_keeps_the_old_one_and_reports(daemon: Daemo
 def test_bad_config_on_start_fails_the_unit_with_the_reason(daemon: Daemon) -> None:
     fakehost.write_config(daemon.root, "e2e", 'version = "1.0"\nmodlues = ["x"]\n')
     daemon.start()
-    assert daemon.proc.wait(timeout=30) == 1  # type: ignore[union-attr]
+    assert daemon.proc.wait(timeout=30) == 2  # type: ignore[union-attr]
     st = daemon.status()
     assert st["state"] == "Degraded"
     assert str(st["reason"]).startswith("ConfigInvalid: ")
