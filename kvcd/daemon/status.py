@@ -65,6 +65,8 @@ def render(entries: list[dict[str, Any]]) -> str:
     lines = []
     for e in entries:
         head = f"{e['instance']}: {e['state']}"
+        if e.get("goal") and e["goal"] != "loaded":
+            head += f" ({e['goal']})"
         if e.get("version"):
             head += f"  version {e['version']}"
         if e.get("kernel"):

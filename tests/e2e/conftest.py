@@ -91,7 +91,7 @@ def _parse_junit(path: Path) -> dict[str, GuestCase]:
                 message = (el.get("message") or "") + "\n" + (el.text or "")
                 break
         out = tc.find("system-out")
-        if outcome != "passed" and out is not None and out.text:
+        if outcome in ("failed", "error") and out is not None and out.text:
             message += "\n--- guest stdout ---\n" + out.text[-4000:]
         name = tc.get("name", "")
         cases[name] = GuestCase(

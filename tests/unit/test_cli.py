@@ -139,3 +139,27 @@ def test_status_warns_when_record_and_kernel_disagree(
     assert "kvcd_base: loaded" in out and "kvcd_user: not loaded" in out
     assert "warning: recorded during an earlier boot" in out
     assert "warning: recorded Done but not loaded now: kvcd_user" in out
+
+
+def test_status_says_when_the_goal_was_to_unload(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD)
+    root.state_file("e2e").parent.mkdir(parents=True)
+    root.state_file("e2e").write_text(
+        json.dumps(
+            {
+                "instance": "e2e",
+                "state": "Done",
+                "goal": "unloaded",
+                "version": "1.0",
+                "kernel": K,
+                "boot_id": "0b5e6c4e-0000-4000-8000-000000000001",
+                "modules": ["kvcd_base"],
+            }
+        )
+    )
+    assert run(root, "status") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("e2e: Done (unloaded)  version 1.0")
+    assert "warning" not in out

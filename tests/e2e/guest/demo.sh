@@ -17,7 +17,7 @@ lsmod | grep kvcd
 step "cat /proc/kvcd_user"
 cat /proc/kvcd_user
 step "journalctl -u $unit -o verbose (KVCD_* fields)"
-journalctl -u "$unit" -o verbose --no-pager | grep -E '^[A-Z][a-z]{2} |MESSAGE=|KVCD_|MESSAGE_ID=|PRIORITY='
+journalctl -u "$unit" KVCD_INSTANCE=e2e-kmod -o verbose --no-pager | grep -E '^[A-Z][a-z]{2} |MESSAGE=|KVCD_|MESSAGE_ID=|PRIORITY='
 step "systemctl stop $unit"
 timeout 300 systemctl stop "$unit"
 echo "stop rc=$?"

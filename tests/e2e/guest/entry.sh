@@ -61,7 +61,7 @@ systemctl status --no-pager --full 'kvcd@*' >"$R/systemctl-status.txt" 2>&1
 systemctl list-units --failed --no-pager >"$R/failed-units.txt" 2>&1
 podman images >"$R/podman-images.txt" 2>&1
 cat /proc/modules >"$R/proc-modules.txt" 2>&1
-find /var/lib/kvcd -maxdepth 6 >"$R/var-lib-kvcd.txt" 2>&1
+find -L /var/lib/kvcd -maxdepth 9 >"$R/var-lib-kvcd.txt" 2>&1
 dmesg >"$R/dmesg.txt" 2>&1
 journalctl -b --no-pager >"$R/journal.txt" 2>&1
 journalctl -b -o export >"$R/journal.export" 2>/dev/null

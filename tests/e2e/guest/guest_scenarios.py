@@ -93,7 +93,8 @@ def test_a_start_loads_modules_in_order() -> None:
     st = state_is("Done")()
     assert st and st.get("version") == "1.0" and st.get("kernel") == kver(), st
     # Modules came from kvcd's own module root, not /lib/modules.
-    assert any(Path("/var/lib/kvcd/modules").rglob("kvcd_user.ko*"))
+    deps = [p.read_text() for p in Path("/var/lib/kvcd/modules").rglob("modules.dep")]
+    assert any("kvcd_user.ko" in d for d in deps), "kvcd_user not in kvcd's modules.dep"
 
 
 def test_b_stop_unloads_restart_uses_cache() -> None:

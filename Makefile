@@ -1,0 +1,52 @@
+# kvcd developer targets. Every target sets the machine up first (scripts/setup.sh, idempotent).
+#   make check       what CI runs: lint, types, layer contracts, unit + integration tests, VM e2e
+#   make demo        boot the VM guest, start kvcd@e2e-kmod, print status/lsmod/journal, power off
+#   make test        unit + integration tests (real podman, gcc, depmod, rpmbuild on this machine)
+#   make lint        ruff, mypy --strict, import-linter
+#   make rpm         build the RPMs into out/rpm and rpmlint them
+#   make e2e         build/reuse the guest, boot it once, run smoke + kvcd scenarios (pytest -m e2e)
+#   make e2e-smoke   the same, harness checks only (no kvcd needed)
+#   make e2e-guest   only build (or reuse) the cached guest image
+#   make e2e-clean   drop the cached guest and the run outputs
+# The VM end-to-end harness lives in scripts/e2e and tests/e2e.
+
+VENV := .venv/bin
+# Not $(shell …): that would be read before `setup` has made the venv on a fresh machine.
+PYTHON ?= $(VENV)/python
+E2E_CACHE ?= $(or $(KVCD_E2E_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvcd-e2e)
+PY_DIRS := kvcd tests benchmarks
+
+.PHONY: setup check lint test rpm e2e e2e-smoke e2e-guest demo e2e-clean
+
+setup:
+	scripts/setup.sh
+
+check: lint test e2e
+
+lint: setup
+	$(VENV)/ruff check $(PY_DIRS)
+	$(VENV)/ruff format --check $(PY_DIRS)
+	$(VENV)/mypy
+	$(VENV)/lint-imports
+
+# pytest exits 5 when it collected nothing; make treats that as the failure it is.
+test: setup
+	$(PYTHON) -m pytest tests/unit tests/integration
+
+rpm: setup
+	scripts/build-rpm.sh --lint
+
+e2e: setup
+	KVCD_E2E_MODE=e2e $(PYTHON) -m pytest -m e2e tests/e2e
+
+e2e-smoke: setup
+	KVCD_E2E_MODE=smoke $(PYTHON) -m pytest -m e2e tests/e2e
+
+e2e-guest: setup
+	scripts/e2e/build-guest.sh
+
+demo: setup
+	scripts/e2e/run-guest.sh --mode demo
+
+e2e-clean:
+	rm -rf out/e2e "$(E2E_CACHE)"

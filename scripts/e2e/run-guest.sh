@@ -1,0 +1,181 @@
+#!/bin/bash
+# Boot the kvcd e2e guest once and bring its results back.
+#
+#   scripts/e2e/run-guest.sh [--mode smoke|e2e|demo] [--out DIR] [--timeout SECONDS]
+#   scripts/e2e/run-guest.sh --mode cmd --cmd FILE   # run a bash script in the guest, print it
+#
+# 1. builds or reuses the cached guest (scripts/e2e/build-guest.sh),
+# 2. packs this run's payload onto a small ext4 disk (mkfs.ext4 -d, no loop mounts): the kvcd
+#    wheel built from this checkout, systemd/kvcd@.service, tests/e2e/guest (the in-guest
+#    driver), tests/e2e/driver + tests/kmods (driver container build context), the mode,
+# 3. boots qemu on a qcow2 overlay of the cached base image (the base stays clean), bounded by
+#    `timeout`; the guest runs the mode's scenarios from a systemd unit and powers off,
+# 4. reads the results directory back with `debugfs -R rdump` (no mount) into OUT/results.
+#
+# OUT (default: <repo>/out/e2e/<mode>) then holds console.log, results/ (junit-guest.xml,
+# journal.txt, journal.export, dmesg.txt, kvcd-status.*, timings.txt, ...), times.txt.
+# Exit 0 when the guest ran to the end (test verdicts are in results/rc and the junit file),
+# 3 when the harness itself failed (no results: see console.log).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+CACHE=${KVCD_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd-e2e}
+MODE=e2e
+OUT=
+CMD=
+TIMEOUT=${KVCD_E2E_TIMEOUT:-2700}
+MEM=${KVCD_E2E_MEM:-2048}
+SMP=${KVCD_E2E_SMP:-2}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --mode) MODE=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --timeout) TIMEOUT=$2; shift 2 ;;
+    --cmd) CMD=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
+    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+    esac
+done
+case "$MODE" in smoke | e2e | demo | cmd) ;; *) echo "bad --mode $MODE" >&2; exit 2 ;; esac
+[ "$MODE" != cmd ] || [ -f "$CMD" ] || { echo "--mode cmd needs --cmd FILE" >&2; exit 2; }
+OUT=${OUT:-$REPO/out/e2e/$MODE}
+
+log() { printf '[run-guest %s] %s\n' "$(date +%T)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 3; }
+for t in qemu-system-x86_64 qemu-img debugfs mkfs.ext4 timeout; do
+    command -v "$t" >/dev/null || die "missing tool: $t"
+done
+
+T0=$(date +%s)
+GUEST=$("$HERE/build-guest.sh" | tail -n 1)
+[ -f "$GUEST/.done" ] || die "guest build failed"
+T_BUILD=$(($(date +%s) - T0))
+KVER=$(cat "$GUEST/kver")
+
+mkdir -p "$(dirname "$OUT")"
+exec 8>"$OUT.lock"
+flock -n 8 || die "another run is using $OUT"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+P=$OUT/payload
+mkdir -p "$P/wheels" "$P/units" "$P/results"
+
+# --- payload ------------------------------------------------------------------------------
+T1=$(date +%s)
+echo "$MODE" >"$P/mode"
+[ -z "$CMD" ] || cp "$CMD" "$P/cmd.sh"
+echo "$KVER" >"$P/kver"
+# Build from a copy so no build/ or *.egg-info lands in the checkout; offline first, then with
+# build isolation (needs the PyPI mirror) when the local interpreter lacks `wheel`.
+SRC=$OUT/src
+mkdir -p "$SRC"
+cp -r "$REPO/pyproject.toml" "$REPO/kvcd" "$SRC/"
+for f in README.md README.rst LICENSE setup.cfg setup.py MANIFEST.in; do
+    if [ -e "$REPO/$f" ]; then cp "$REPO/$f" "$SRC/"; fi
+done
+find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
+PY=python3
+[ -x "$REPO/.venv/bin/python" ] && PY=$REPO/.venv/bin/python
+if ! "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check \
+    -w "$P/wheels" "$SRC" >"$OUT/wheel.log" 2>&1 &&
+    ! "$PY" -m pip wheel --quiet --no-deps --disable-pip-version-check \
+        -w "$P/wheels" "$SRC" >>"$OUT/wheel.log" 2>&1; then
+    log "WARNING: building the kvcd wheel failed (see $OUT/wheel.log); kvcd scenarios will fail"
+fi
+rm -rf "$SRC"
+if [ -f "$REPO/systemd/kvcd@.service" ]; then
+    find "$REPO/systemd" -maxdepth 1 -type f \
+        \( -name '*.service' -o -name '*.timer' -o -name '*.path' -o -name '*.socket' \) \
+        -exec cp {} "$P/units/" \;
+else
+    log "WARNING: $REPO/systemd/kvcd@.service missing; using tests/e2e/guest/kvcd@.service"
+    cp "$REPO/tests/e2e/guest/kvcd@.service" "$P/units/"
+fi
+cp -r "$REPO/tests/e2e/guest" "$P/guest"
+cp -r "$REPO/tests/e2e/driver" "$P/driver"
+rm -rf "$P/driver/src"
+if [ -f "$REPO/tests/kmods/Kbuild" ]; then
+    mkdir -p "$P/driver/src"
+    cp "$REPO"/tests/kmods/Kbuild "$REPO"/tests/kmods/*.c "$P/driver/src/"
+else
+    die "tests/kmods/Kbuild missing"
+fi
+find "$P" -name __pycache__ -prune -exec rm -rf {} +
+mkfs.ext4 -q -F -L kvcde2e -E root_owner=0:0 -d "$P" "$OUT/payload.img" 1G >/dev/null
+qemu-img create -q -f qcow2 -F raw -b "$GUEST/base.img" "$OUT/overlay.qcow2"
+T_PAYLOAD=$(($(date +%s) - T1))
+
+# --- accelerator: KVM only if it demonstrably boots a kernel (it hangs on some hosts) --------
+accel=tcg
+if [ -z "${KVCD_E2E_ACCEL:-}" ] && [ -w /dev/kvm ]; then
+    probe=$CACHE/kvm-probe-$(cat /proc/sys/kernel/random/boot_id 2>/dev/null || echo x)
+    if [ ! -f "$probe" ]; then
+        log "probing KVM (20 s at most)"
+        if timeout 20 qemu-system-x86_64 -accel kvm -cpu host -m 256 -nographic -no-reboot \
+            -nic none -kernel "$GUEST/vmlinuz" -append "console=ttyS0 panic=-1 root=/dev/null" \
+            </dev/null 2>&1 | grep -q -m1 'Linux version'; then
+            echo kvm >"$probe"
+        else
+            echo tcg >"$probe"
+        fi
+    fi
+    accel=$(cat "$probe")
+fi
+accel=${KVCD_E2E_ACCEL:-$accel}
+cpu=max
+[ "$accel" = kvm ] && cpu=host
+log "booting guest (kernel $KVER, accel $accel, mode $MODE, timeout ${TIMEOUT}s); console: $OUT/console.log"
+
+# --- boot -------------------------------------------------------------------------------------
+T2=$(date +%s)
+set +e
+timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
+    -accel "$accel" -cpu "$cpu" -smp "$SMP" -m "$MEM" -nographic -no-reboot -nic none \
+    -kernel "$GUEST/vmlinuz" -initrd "$GUEST/initrd.img" \
+    -drive "file=$OUT/overlay.qcow2,format=qcow2,if=virtio,cache=unsafe" \
+    -drive "file=$OUT/payload.img,format=raw,if=virtio,cache=unsafe" \
+    -append "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1 ${KVCD_E2E_APPEND:-}" \
+    </dev/null >"$OUT/console.log" 2>&1
+qrc=$?
+set -e
+T_QEMU=$(($(date +%s) - T2))
+[ $qrc -eq 124 ] && log "qemu TIMED OUT after ${TIMEOUT}s"
+
+# --- results ----------------------------------------------------------------------------------
+debugfs -R "rdump /results $OUT" "$OUT/payload.img" >"$OUT/debugfs.log" 2>&1 || true
+[ -n "${KVCD_E2E_KEEP:-}" ] || rm -f "$OUT/overlay.qcow2"
+R=$OUT/results
+{
+    echo "guest_build_or_reuse ${T_BUILD}s"
+    echo "payload ${T_PAYLOAD}s"
+    echo "qemu_total ${T_QEMU}s (accel $accel, rc $qrc)"
+    [ -f "$R/timings.txt" ] && sed 's/^/guest: /' "$R/timings.txt"
+    up=$(sed -n 's/^artifacts_done_uptime //p' "$R/timings.txt" 2>/dev/null || true)
+    [ -n "$up" ] && echo "shutdown_and_qemu_overhead $(awk -v q="$T_QEMU" -v u="$up" \
+        'BEGIN{printf "%.0f", q-u}')s"
+} >"$OUT/times.txt"
+cat "$OUT/times.txt" >&2
+
+if [ ! -f "$R/done" ]; then
+    log "guest did not finish (qemu rc $qrc)."
+    log "console log: $OUT/console.log"
+    [ -f "$R/journal.txt" ] && log "guest journal: $R/journal.txt"
+    tail -n 30 "$OUT/console.log" >&2 || true
+    exit 3
+fi
+grc=$(cat "$R/rc" 2>/dev/null || echo '?')
+if [ "$MODE" = demo ] && [ -f "$R/demo.txt" ]; then
+    cat "$R/demo.txt"
+fi
+if [ "$MODE" = cmd ] && [ -f "$R/cmd.txt" ]; then
+    cat "$R/cmd.txt"
+fi
+log "guest finished, in-guest rc $grc; results: $R"
+if [ "$grc" != 0 ]; then
+    log "console log: $OUT/console.log"
+    log "guest journal: $R/journal.txt (export: $R/journal.export)"
+fi
+exit 0
