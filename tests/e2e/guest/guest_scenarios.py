@@ -35,6 +35,13 @@ BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 TIMINGS: dict[str, float] = {}
 
 
+def containerfile(version: str) -> str:
+    """The prebuilt-modules Containerfile when run-guest.sh compiled `version` on the host."""
+    if (DRIVER_DIR / "prebuilt" / version / "kvcd_user.ko").exists():
+        return "Containerfile.prebuilt"
+    return "Containerfile"
+
+
 def kver() -> str:
     return os.uname().release
 
@@ -111,7 +118,10 @@ def test_b_stop_unloads_restart_uses_cache() -> None:
 
 def test_c_reload_loads_new_version_and_params() -> None:
     assert both_loaded()
-    set_instance(version="2.0", **{"params.kvcd_user.greeting": "hello-v2"})
+    set_instance(
+        version="2.0",
+        **{"params.kvcd_user.greeting": "hello-v2", "build.containerfile": containerfile("2.0")},
+    )
     t0 = time.monotonic()
     sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
     wait_for(
@@ -142,7 +152,11 @@ def test_d_journal_has_structured_fields() -> None:
 
 def test_e_unloadable_module_degrades_keeps_previous() -> None:
     assert module_version("kvcd_user") == "2.0"
-    set_instance(version="3.0", modules=["kvcd_base", "kvcd_user", "kvcd_bad"])
+    set_instance(
+        version="3.0",
+        modules=["kvcd_base", "kvcd_user", "kvcd_bad"],
+        **{"build.containerfile": containerfile("3.0")},
+    )
     try:
         t0 = time.monotonic()
         sh(["systemctl", "reload", UNIT], check=False, timeout=BUILD_TIMEOUT)
@@ -172,7 +186,8 @@ def kvc_files():  # type: ignore[no-untyped-def]
     conf, lib = Path(f"/etc/kvc/{KVC_NAME}.conf"), Path(f"/usr/lib/kvc/{KVC_NAME}-lib.sh")
     conf.parent.mkdir(parents=True, exist_ok=True)
     lib.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(src / f"{KVC_NAME}.conf", conf)
+    text = (src / f"{KVC_NAME}.conf").read_text()
+    conf.write_text(text.replace("=Containerfile\n", f"={containerfile('1.0')}\n"))
     shutil.copy(src / f"{KVC_NAME}-lib.sh", lib)
     yield
     sh(["systemctl", "stop", f"kvcd@{KVC_NAME}.service"], check=False)
