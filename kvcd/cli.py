@@ -183,26 +183,27 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.config.loader import load_instance, load_settings
     from kvcd.config.model import ConfigError
     from kvcd.daemon.instance import Instance
+    from kvcd.daemon.record import running_kernel
 
     if not names:
         print("no instances configured")
         return EXIT_OK
+    settings = load_settings(root)
+    if kernel is None:
+        try:
+            kernel = running_kernel(root)
+        except RuntimeError:  # offline check of a tree without /proc: validate, do not plan
+            kernel = None
     bad = 0
     for name in names:
         try:
             cfg = load_instance(root, name)
-            settings = load_settings(root)
         except ConfigError as exc:
             print(f"{name}: INVALID: {exc}")
             bad += 1
             continue
         print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
         print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
-        if kernel is None:
-            try:
-                kernel = _kernel(root, argparse.Namespace())
-            except RuntimeError:
-                kernel = None
         if kernel:
             inst = Instance(root, settings, cfg, kernel)
             print(f"  plan for {kernel}:")

@@ -6,7 +6,7 @@ applies. A plan is data, so `--dry-run` prints it and the tests compare it to ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcd.core.actions import (
     AcquireImage,
@@ -29,7 +29,6 @@ class Plan:
     blocked: str | None = None
     # The version to go back to if applying the plan fails part way.
     rollback_to: str | None = None
-    notes: tuple[str, ...] = field(default=())
 
     def describe(self) -> list[str]:
         if self.blocked:

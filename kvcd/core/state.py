@@ -7,7 +7,6 @@ from dataclasses import dataclass
 DONE = "Done"
 WORKING = "Working"
 DEGRADED = "Degraded"
-STATES = (DONE, WORKING, DEGRADED)
 
 # Reason codes: the first word of every reason. Stable; add, never rename.
 CONFIG_INVALID = "ConfigInvalid"

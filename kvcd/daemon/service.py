@@ -119,9 +119,6 @@ class Service:
             self._extended = now
             self.notify.extend_timeout(EXTEND_USEC)
 
-    def _busy(self) -> _Keepalive:
-        return _Keepalive(self.notify)
-
     def reconcile(self) -> bool:
         """Reach "loaded"; True when Done. Transient failures retry until a signal interrupts."""
         attempt = 0
@@ -130,7 +127,7 @@ class Service:
             if inst is None:
                 return False
             try:
-                with self._busy():
+                with _Keepalive(self.notify):
                     inst.apply("load", pid=os.getpid())
                 return True
             except StepFailed as exc:
@@ -155,7 +152,7 @@ class Service:
         if inst is None:
             return 1
         try:
-            with self._busy():
+            with _Keepalive(self.notify):
                 inst.apply("unload", pid=os.getpid())
         except StepFailed as exc:
             log.error("could not unload on stop: %s", exc, extra=self.fields)

@@ -42,17 +42,13 @@ def read_json(path: Path) -> Any:
 
 
 @contextlib.contextmanager
-def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
-    """An exclusive flock on `path` (created if needed). Yields False if non-blocking and busy."""
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created if needed), held for the with-block."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 

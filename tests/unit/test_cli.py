@@ -22,6 +22,21 @@ def root(tmp_path: Path) -> HostRoot:
     return r
 
 
+def write_record(root: HostRoot, **fields: object) -> None:
+    """An instance state file as the daemon leaves it (defaults: Done, loaded, this boot)."""
+    record = {
+        "instance": "e2e",
+        "state": "Done",
+        "goal": "loaded",
+        "version": "1.0",
+        "kernel": K,
+        "boot_id": "0b5e6c4e-0000-4000-8000-000000000001",
+        **fields,
+    }
+    root.state_file("e2e").parent.mkdir(parents=True, exist_ok=True)
+    root.state_file("e2e").write_text(json.dumps(record))
+
+
 def run(root: HostRoot, *args: str) -> int:
     return main(["--root", str(root.root), *args])
 
@@ -119,20 +134,7 @@ def test_status_warns_when_record_and_kernel_disagree(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fakehost.write_config(root, "e2e", GOOD)
-    root.state_file("e2e").parent.mkdir(parents=True)
-    root.state_file("e2e").write_text(
-        json.dumps(
-            {
-                "instance": "e2e",
-                "state": "Done",
-                "goal": "loaded",
-                "version": "1.0",
-                "kernel": K,
-                "boot_id": "an-earlier-boot",
-                "modules": ["kvcd_base", "kvcd_user"],
-            }
-        )
-    )
+    write_record(root, boot_id="an-earlier-boot", modules=["kvcd_base", "kvcd_user"])
     (root.sys_module / "kvcd_base").mkdir()
     assert run(root, "status") == 0
     out = capsys.readouterr().out
@@ -145,20 +147,7 @@ def test_status_says_when_the_goal_was_to_unload(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fakehost.write_config(root, "e2e", GOOD)
-    root.state_file("e2e").parent.mkdir(parents=True)
-    root.state_file("e2e").write_text(
-        json.dumps(
-            {
-                "instance": "e2e",
-                "state": "Done",
-                "goal": "unloaded",
-                "version": "1.0",
-                "kernel": K,
-                "boot_id": "0b5e6c4e-0000-4000-8000-000000000001",
-                "modules": ["kvcd_base"],
-            }
-        )
-    )
+    write_record(root, goal="unloaded", modules=["kvcd_base"])
     assert run(root, "status") == 0
     out = capsys.readouterr().out
     assert out.startswith("e2e: Done (unloaded)  version 1.0")
