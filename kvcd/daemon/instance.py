@@ -61,8 +61,11 @@ class Instance:
         d = self.desired
         return VERBS[verb](d, observe(self.root, d))
 
-    def apply(self, verb: str, *, pid: int | None = None) -> Record:
-        """Plan and apply `verb` under the instance lock; record the outcome; raise StepFailed."""
+    def apply(self, verb: str, *, pid: int | None = None, why: str = "") -> Record:
+        """Plan and apply `verb` under the instance lock; record the outcome; raise StepFailed.
+
+        `why` is kept as the Done record's reason when something other than the config chose
+        the verb (e.g. "no device": Done, nothing loaded)."""
         with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
             previous = Record.read(self.root, self.cfg.name)
             generation = (previous.generation if previous else 0) + 1
@@ -93,7 +96,29 @@ class Instance:
             except StepFailed as exc:
                 self._record(record, state.DEGRADED, str(exc))
                 raise
-            self._record(record, state.DONE, "")
+            self._record(record, state.DONE, why)
+            return record
+
+    def note(self, new_state: str, reason: str, *, pid: int | None = None) -> Record:
+        """Record a state without changing anything on the host (a hold, or an after-hook's
+        finding such as "waiting for links"). Goal, version and modules stay as last recorded."""
+        with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
+            previous = Record.read(self.root, self.cfg.name)
+            record = previous or Record(
+                instance=self.cfg.name,
+                state=new_state,
+                version=self.cfg.version,
+                modules=[m.kernel_name for m in self.cfg.modules],
+            )
+            record.kernel = self.kernel
+            record.boot_id = boot_id(self.root)
+            record.generation += 1
+            record.pid = pid
+            if previous is None or (previous.state, previous.reason) != (new_state, reason):
+                self._record(record, new_state, reason)
+            else:
+                record.updated = time.time()
+                record.write(self.root)
             return record
 
     def _record(self, record: Record, new_state: str, reason: str) -> None:

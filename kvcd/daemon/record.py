@@ -38,6 +38,11 @@ class Record:
     updated: float = 0.0
     generation: int = 0
     pid: int | None = None
+    # The kernel that boots next (staged rpm-ostree deployment or default boot entry), when it
+    # differs from `kernel`: its release, "ready" | "preparing" | "failed", and why it failed.
+    next_kernel: str = ""
+    next_kernel_state: str = ""
+    next_kernel_reason: str = ""
 
     @classmethod
     def read(cls, root: HostRoot, name: str) -> Record | None:

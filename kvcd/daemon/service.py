@@ -3,7 +3,11 @@
 Start: reconcile to "loaded" (retrying transient failures with backoff), then READY=1.
 SIGHUP (`systemctl reload`, via `kvcd reload`): re-read the config and reconcile again.
 SIGTERM: STOPPING=1, unload unless the instance keeps its modules loaded, exit.
-The loop sleeps in select() on a signal wakeup fd: no polling, ~0 CPU while idle.
+Extensions (kvcd/daemon/events.py) watch the host and the node; their events wake the loop and
+their verdicts may redirect a reconcile (hold on drift, unload when the upgrade label goes away,
+stay idle without the device) or amend its outcome (waiting for links, report to the node).
+The loop sleeps in select() on a signal wakeup fd and the extensions' mailbox: no polling, ~0
+CPU while idle; periodic checks happen only when an extension asks for them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import state
 from kvcd.core.state import Backoff, StepFailed
+from kvcd.daemon import extensions
+from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
+from kvcd.daemon.record import Record
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
@@ -54,6 +61,10 @@ class Service:
         self._sel = selectors.DefaultSelector()
         self.fields = {"KVCD_INSTANCE": name, "KVCD_KERNEL": kernel}
         self._extended = float("-inf")
+        self.mail = Mailbox()
+        self.exts: list[Extension] = []
+        self.ctx: Context | None = None
+        self._timers: dict[int, float] = {}  # id(extension) -> monotonic time of its next tick
 
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -66,20 +77,45 @@ class Service:
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self._sel.register(self._rsock, selectors.EVENT_READ)
+        self._sel.register(self.mail.rsock, selectors.EVENT_READ)
 
-    def _wait(self, timeout: float | None) -> None:
-        """Sleep until a signal arrives or `timeout` passes, keeping the watchdog fed."""
+    def _wait(self, timeout: float | None, *, events: bool = True) -> list[Event]:
+        """Sleep until a signal or (with `events`) an extension's event arrives, an extension's
+        timer is due, or `timeout` passes, keeping the watchdog fed. Returns the events."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.notify.watchdog_interval()
-        while not self._pending:
-            left = None if deadline is None else deadline - time.monotonic()
+        while not self._pending and not (events and self.mail.pending()):
+            now = time.monotonic()
+            if events and self._post_due_timers(now):
+                break
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
-                return
-            step = min(x for x in (left, interval, 3600.0) if x is not None)
-            if self._sel.select(step):
+                break
+            tick = min(self._timers.values(), default=None) if events else None
+            step = min(
+                x
+                for x in (left, interval, None if tick is None else tick - now, 3600.0)
+                if x is not None
+            )
+            if self._sel.select(max(step, 0.0)):
                 with contextlib.suppress(BlockingIOError):
                     self._rsock.recv(512)
             self.notify.watchdog()
+        return self.mail.drain() if events else []
+
+    def _post_due_timers(self, now: float) -> bool:
+        due = False
+        for ext in self.exts:
+            at = self._timers.get(id(ext))
+            if at is not None and at <= now:
+                self.mail.post(Event(ext.name, "timer"))
+                every = ext.interval()
+                if every is None:
+                    self._timers.pop(id(ext), None)
+                else:
+                    self._timers[id(ext)] = now + every
+                due = True
+        return due
 
     def _take(self, *signums: int) -> bool:
         hit = any(s in self._pending for s in signums)
@@ -119,27 +155,100 @@ class Service:
             self._extended = now
             self.notify.extend_timeout(EXTEND_USEC)
 
-    def reconcile(self) -> bool:
-        """Reach "loaded"; True when Done. Transient failures retry until a signal interrupts."""
+    # -- extensions ----------------------------------------------------------------------------
+    def _ensure_extensions(self, inst: Instance) -> None:
+        """Start the extension set on the first good config; rebuild it when the config changes."""
+        if self.ctx is not None and self.ctx.cfg == inst.cfg and self.ctx.settings == inst.settings:
+            return
+        self.stop_extensions()
+        self.ctx = Context(
+            root=self.root,
+            name=self.name,
+            kernel=self.kernel,
+            settings=inst.settings,
+            cfg=inst.cfg,
+            post=self.mail.post,
+            fields=dict(self.fields),
+        )
+        for ext in extensions.build(inst.cfg, inst.settings):
+            try:
+                ext.start(self.ctx)
+            except Exception:  # one broken watcher must not take the instance down
+                log.exception("extension %s did not start", ext.name, extra=self.fields)
+                continue
+            self.exts.append(ext)
+            every = ext.interval()
+            if every is not None:
+                self._timers[id(ext)] = time.monotonic() + every
+
+    def stop_extensions(self) -> None:
+        for ext in reversed(self.exts):
+            try:
+                ext.stop()
+            except Exception:
+                log.exception("extension %s did not stop cleanly", ext.name, extra=self.fields)
+        self.exts.clear()
+        self._timers.clear()
+
+    def _verdict(self, events: list[Event]) -> Verdict | None:
+        assert self.ctx is not None
+        for ext in self.exts:
+            verdict = ext.verdict(self.ctx, events)
+            if verdict is not None:
+                log.debug("%s: %s %s", ext.name, verdict.verb, verdict.reason, extra=self.fields)
+                return verdict
+        return None
+
+    def _after(self, inst: Instance, record: Record | None) -> Record | None:
+        """Let each extension amend the outcome (and report it); the last one sees the final."""
+        if self.ctx is None:
+            return record
+        record = record or Record.read(self.root, self.name)
+        if record is None:
+            return None
+        for ext in self.exts:
+            amended = ext.after(self.ctx, record)
+            if amended is not None and (amended.state, amended.reason) != (
+                record.state,
+                record.reason,
+            ):
+                record = inst.note(amended.state, amended.reason, pid=os.getpid())
+        return record
+
+    # -- reconcile -------------------------------------------------------------------------------
+    def reconcile(self, events: list[Event] | None = None) -> Record | None:
+        """One reconcile: the extensions' verdict (default: load), applied, then amended.
+
+        Returns the final record, or None when the config is invalid or a step failed for good.
+        Transient failures retry with backoff until a signal interrupts.
+        """
+        events = events or []
         attempt = 0
         while True:
             inst = self._instance()
             if inst is None:
-                return False
+                return None
+            self._ensure_extensions(inst)
+            verdict = self._verdict(events) or Verdict(LOAD)
             try:
                 with _Keepalive(self.notify):
-                    inst.apply("load", pid=os.getpid())
-                return True
+                    if verdict.verb == HOLD:
+                        record = inst.note(verdict.state, verdict.reason, pid=os.getpid())
+                    else:
+                        record = inst.apply(verdict.verb, pid=os.getpid(), why=verdict.reason)
+                return self._after(inst, record)
             except StepFailed as exc:
                 if not exc.transient:
-                    return False
+                    self._after(inst, None)
+                    return None
                 delay = self.backoff.delay(attempt)
                 attempt += 1
                 log.warning("%s; retrying in %.0fs", exc, delay, extra=self.fields)
                 self.notify.status(f"{exc}; retrying in {delay:.0f}s")
-                self._wait(delay)
+                self._after(inst, None)
+                self._wait(delay, events=False)
                 if self._pending & {signal.SIGTERM, signal.SIGINT}:
-                    return False
+                    return None
                 self._take(signal.SIGHUP)  # a reload during backoff is this retry
 
     def stop(self) -> int:
@@ -163,26 +272,47 @@ class Service:
         self._install()
         files.atomic_write(self.root.pid_file(self.name), f"{os.getpid()}\n".encode())
         try:
-            if not self.reconcile():
+            record = self.reconcile([Event("start")])
+            if record is None:
                 if self._take(signal.SIGTERM, signal.SIGINT):
                     return self.stop()
                 # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.
                 return 2 if self.config_invalid else 1
-            self.notify.ready(f"Done: {self.name} loaded")
+            ready = self._announce(record, ready=False)
             while True:
-                self._wait(None)
+                events = self._wait(None)
                 if self._take(signal.SIGTERM, signal.SIGINT):
                     return self.stop()
                 if self._take(signal.SIGHUP):
                     self.notify.reloading()
-                    ok = self.reconcile()
-                    self.notify.ready(
-                        f"Done: {self.name} loaded" if ok else "Degraded; see kvcd status"
-                    )
+                    events.append(Event("signal", "reload"))
+                    ready = False
+                if events:
+                    for ev in events:
+                        log.debug("event %s: %s", ev.source, ev.what, extra=self.fields)
+                    ready = self._announce(self.reconcile(events), ready)
         finally:
             signal.set_wakeup_fd(-1)
+            self.stop_extensions()
             with contextlib.suppress(FileNotFoundError):
                 self.root.pid_file(self.name).unlink()
+
+    def _announce(self, record: Record | None, ready: bool) -> bool:
+        """READY=1 once the outcome is settled (Done or Degraded, not Working); STATUS= always."""
+        if record is None:
+            text = "Degraded; see kvcd status"
+        elif record.state == state.DONE:
+            text = f"Done: {self.name} " + (record.reason or record.goal)
+        else:
+            text = f"{record.state}: {record.reason}"[:200]
+        if record is not None and record.state == state.WORKING:
+            self.notify.status(text)
+            return ready
+        if ready:
+            self.notify.status(text)
+        else:
+            self.notify.ready(text)
+        return True
 
 
 class _Keepalive:

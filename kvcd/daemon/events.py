@@ -1,0 +1,121 @@
+"""Events and extensions: how the world outside reaches the `kvcd run` loop.
+
+The loop sleeps in select() on one self-pipe. Signals and every event source (inotify, udev,
+netlink, node watch, next-kernel watch) wake it through the same pipe, so an idle daemon uses no
+CPU and nothing polls. Each feature beside the core lifecycle is an `Extension`:
+
+- `start(ctx)` starts its watchers; they may run in their own threads and call `ctx.post(Event)`
+  from there (thread-safe). Nothing else may be done from a watcher thread: every decision and
+  every change happens on the main thread, in `verdict` and `after`.
+- `interval()` asks for a periodic `Event(source=<name>, what="timer")` (None: never).
+- `verdict(ctx, events)` runs before each reconcile with the events that caused it and may
+  redirect it: load (the default), unload, or hold (change nothing, record a state and reason).
+  The first extension that returns a verdict wins, in the order of `extensions.build`.
+- `after(ctx, record)` runs after each reconcile with the recorded outcome and may replace its
+  state and reason (e.g. "Working: waiting for links"); it is also where results are reported.
+- `stop()` stops its watchers; it is called on exit and before the set is rebuilt on reload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:
+    from kvcd.daemon.record import Record
+
+log = logging.getLogger(__name__)
+
+LOAD = "load"
+UNLOAD = "unload"
+HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class Event:
+    source: str  # the extension (or "signal", "start") that posted it
+    what: str = ""  # one short line, logged at debug level: the path, the module, the label …
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verb: str  # LOAD | UNLOAD | HOLD
+    state: str = ""  # for HOLD (and for `after`): Done | Working | Degraded
+    reason: str = ""  # written into the record; empty for Done
+
+
+class Mailbox:
+    """A thread-safe queue whose arrival wakes a selector (a socketpair byte)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: deque[Event] = deque()
+        self.rsock, self.wsock = socket.socketpair()
+        self.rsock.setblocking(False)
+        self.wsock.setblocking(False)
+
+    def post(self, event: Event) -> None:
+        with self._lock:
+            self._queue.append(event)
+        with contextlib.suppress(BlockingIOError, OSError):
+            self.wsock.send(b"e")
+
+    def drain(self) -> list[Event]:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self.rsock.recv(4096):
+                pass
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._queue)
+
+    def close(self) -> None:
+        self.rsock.close()
+        self.wsock.close()
+
+
+@dataclass
+class Context:
+    """What an extension may see of the instance it serves. `cfg` follows reloads."""
+
+    root: HostRoot
+    name: str
+    kernel: str
+    settings: Settings
+    cfg: InstanceConfig
+    post: Callable[[Event], None]
+    fields: dict[str, str] = field(default_factory=dict)  # journal fields for log records
+
+
+class Extension:
+    """Base class: every hook is optional (see the module docstring)."""
+
+    name = "extension"
+
+    def start(self, ctx: Context) -> None:
+        return None
+
+    def stop(self) -> None:
+        return None
+
+    def interval(self) -> float | None:
+        return None
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        return None
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        return None

@@ -1,0 +1,280 @@
+"""The `kvcd run` loop with extensions: events wake it, verdicts redirect it, after-hooks amend.
+
+The Service runs in this process's main thread with real signals, a real selector and real
+threads posting events; modprobe/rmmod/depmod are the fake-host stand-ins, the instance's
+versions are already in the store (so no podman), and a recording Notifier stands in for the
+sd_notify socket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core import state
+from kvcd.daemon import extensions
+from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
+from kvcd.daemon.record import Record
+from kvcd.daemon.service import Service
+from kvcd.host.paths import HostRoot
+from kvcd.host.systemd import Notifier
+from tests import fakehost
+
+K = "6.1.0-56-amd64"
+MODS = ["kvcd_base", "kvcd_user"]
+CONFIG = 'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+
+
+class RecordingNotifier(Notifier):
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.sent: list[str] = []
+
+    def notify(self, *assignments: str) -> bool:
+        self.sent.extend(a for a in assignments if not a.startswith("WATCHDOG"))
+        return True
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    for v in ("1.0", "2.0"):
+        fakehost.store_version(root, "e2e", v, K, MODS)
+    fakehost.write_config(root, "e2e", CONFIG.format(v="1.0"))
+    return root
+
+
+def loaded(root: HostRoot) -> list[str]:
+    return sorted(p.name for p in root.sys_module.iterdir()) if root.sys_module.is_dir() else []
+
+
+class Scripted(Extension):
+    """An extension driven by a test: verdicts and amendments from lists, a log of its calls."""
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        verdicts: list[Verdict | None] | None = None,
+        amends: list[Verdict | None] | None = None,
+        every: float | None = None,
+        on_verdict: Callable[[int, list[Event]], None] = lambda _n, _e: None,
+    ) -> None:
+        self.verdicts = list(verdicts or [])
+        self.amends = list(amends or [])
+        self.every = every
+        self.on_verdict = on_verdict
+        self.seen: list[list[Event]] = []
+        self.records: list[tuple[str, str]] = []
+        self.started = 0
+        self.stopped = 0
+        self.ctx: Context | None = None
+
+    def start(self, ctx: Context) -> None:
+        self.started += 1
+        self.ctx = ctx
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+    def interval(self) -> float | None:
+        return self.every
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        self.seen.append(list(events))
+        self.on_verdict(len(self.seen), events)
+        return self.verdicts.pop(0) if self.verdicts else None
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        self.records.append((record.state, record.reason))
+        return self.amends.pop(0) if self.amends else None
+
+
+def use(monkeypatch: pytest.MonkeyPatch, *exts: Extension) -> None:
+    sets = iter([list(exts)])
+    monkeypatch.setattr(extensions, "build", lambda cfg, settings: next(sets, []))
+
+
+def service(root: HostRoot) -> tuple[Service, RecordingNotifier]:
+    n = RecordingNotifier()
+    return Service(root, "e2e", K, n), n
+
+
+def sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# verdict of the first reconcile -> what is loaded, the record, and whether READY=1 went out
+VERDICT_TABLE = [
+    pytest.param(None, MODS, state.DONE, "", True, id="no-verdict-loads"),
+    pytest.param(
+        Verdict(HOLD, state.DEGRADED, "drift: /x content differs"),
+        [],
+        state.DEGRADED,
+        "drift: /x content differs",
+        True,
+        id="hold-degraded-changes-nothing",
+    ),
+    pytest.param(
+        Verdict(HOLD, state.DONE, "no device"), [], state.DONE, "no device", True, id="hold-done"
+    ),
+    pytest.param(
+        Verdict(UNLOAD, state.DONE, "version label absent"),
+        [],
+        state.DONE,
+        "version label absent",
+        True,
+        id="unload-with-reason",
+    ),
+]
+
+
+@pytest.mark.parametrize(("verdict", "mods", "st", "reason", "ready"), VERDICT_TABLE)
+def test_first_verdict_decides_the_start(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    verdict: Verdict | None,
+    mods: list[str],
+    st: str,
+    reason: str,
+    ready: bool,
+) -> None:
+    ext = Scripted([verdict])
+    use(monkeypatch, ext)
+    svc, n = service(host)
+    rec = svc.reconcile([Event("start")])
+    assert rec is not None
+    assert loaded(host) == mods
+    saved = Record.read(host, "e2e")
+    assert saved is not None and (saved.state, saved.reason) == (st, reason)
+    assert ext.records == [(st, reason)]
+    assert svc._announce(rec, ready=False) is ready
+    assert any(a == "READY=1" for a in n.sent) is ready
+    svc.stop_extensions()
+    assert ext.stopped == 1
+
+
+def test_working_amendment_withholds_ready_until_settled(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An after-hook saying "waiting for links" keeps READY=1 back; the next event settles it."""
+    ext = Scripted(amends=[Verdict(LOAD, state.WORKING, "waiting for links: eth9")])
+    use(monkeypatch, ext)
+    svc, n = service(host)
+    rec = svc.reconcile([Event("start")])
+    assert rec is not None and (rec.state, rec.reason) == (
+        state.WORKING,
+        "waiting for links: eth9",
+    )
+    assert loaded(host) == MODS
+    assert svc._announce(rec, ready=False) is False
+    assert "READY=1" not in n.sent
+    rec = svc.reconcile([Event("links", "eth9 up")])
+    assert rec is not None and rec.state == state.DONE and rec.reason == ""
+    assert svc._announce(rec, ready=False) is True
+    assert "READY=1" in n.sent
+
+
+def test_events_from_threads_wake_the_loop_and_batch(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three events posted from a watcher thread arrive in one reconcile; SIGTERM unloads."""
+
+    def second(n: int, events: list[Event]) -> None:
+        if n == 2:
+            sigterm()
+
+    ext = Scripted(on_verdict=second)
+
+    class Poster(Extension):
+        name = "poster"
+
+        def start(self, ctx: Context) -> None:
+            def go() -> None:
+                for i in range(3):
+                    ctx.post(Event("poster", f"change {i}"))
+
+            # Posted (from another thread) before the loop sleeps: the mailbox byte must still
+            # wake it, and all three must arrive in one batch.
+            t = threading.Thread(target=go)
+            t.start()
+            t.join()
+
+    use(monkeypatch, Poster(), ext)
+    svc, n = service(host)
+    assert svc.run() == 0
+    start, batch = ext.seen
+    assert start == [Event("start")]
+    assert sorted(e.what for e in batch if e.source == "poster") == [
+        "change 0",
+        "change 1",
+        "change 2",
+    ]
+    assert loaded(host) == []  # stop unloaded
+    assert ext.stopped == 1
+    assert "STOPPING=1" in n.sent
+
+
+def test_timer_events_come_at_the_interval_and_only_when_asked(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def third(n: int, events: list[Event]) -> None:
+        if n == 3:
+            sigterm()
+
+    ext = Scripted(every=0.01, on_verdict=third)
+    use(monkeypatch, ext)
+    svc, _ = service(host)
+    assert svc.run() == 0
+    assert ext.seen[1:] == [[Event("scripted", "timer")], [Event("scripted", "timer")]]
+
+
+def test_reload_with_a_changed_config_rebuilds_the_extensions(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[Scripted] = []
+
+    def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
+        built.append(Scripted())
+        return [built[-1]]
+
+    monkeypatch.setattr(extensions, "build", build)
+    svc, _ = service(host)
+    svc.reconcile([Event("start")])
+    svc.reconcile([Event("signal", "reload")])  # same config: same set
+    assert len(built) == 1
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    svc.reconcile([Event("signal", "reload")])
+    assert len(built) == 2
+    assert (built[0].stopped, built[1].started) == (1, 1)
+    assert built[1].ctx is not None and built[1].ctx.cfg.version == "2.0"
+    svc.stop_extensions()
+
+
+def test_an_extension_that_fails_to_start_is_left_out(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken(Extension):
+        name = "broken"
+
+        def start(self, ctx: Context) -> None:
+            raise OSError(28, "inotify watch limit reached")
+
+    ok = Scripted()
+    use(monkeypatch, Broken(), ok)
+    svc, _ = service(host)
+    rec = svc.reconcile([Event("start")])
+    assert rec is not None and rec.state == state.DONE
+    assert [e.name for e in svc.exts] == ["scripted"]
+    svc.stop_extensions()
