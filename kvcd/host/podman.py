@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import glob
 import io
 import json
 import logging
@@ -45,6 +46,9 @@ DEFAULT_URL = "unix:///run/podman/podman.sock"
 INSTANCE_LABEL = "io.kvcd.instance"
 VERSION_LABEL = "io.kvcd.version"
 KERNEL_LABEL = "io.kvcd.kernel"
+# On extraction containers: their role, and the pid of the kvcd process that created them.
+EXTRACT_ROLE_LABEL = "io.kvcd.role"
+EXTRACT_PID_LABEL = "io.kvcd.pid"
 
 MODULE_PATTERNS: tuple[str, ...] = ("*.ko", "*.ko.xz", "*.ko.gz", "*.ko.zst")
 TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".tar.bz2", ".tar.zst")
@@ -335,6 +339,7 @@ class Podman:
         dest = Path(dest_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
         what = f"extract {src} from {image_ref}"
+        self._remove_leftovers(dest)
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".new", dir=dest.parent))
         container: str | None = None
         try:
@@ -381,7 +386,7 @@ class Podman:
             "name": f"kvcd-extract-{uuid.uuid4().hex[:12]}",
             # Never started; a command makes creation work for images without CMD/ENTRYPOINT.
             "command": ["/kvcd-extract-never-runs"],
-            "labels": {"io.kvcd.role": "extract"},
+            "labels": {EXTRACT_ROLE_LABEL: "extract", EXTRACT_PID_LABEL: str(os.getpid())},
         }
         resp = self._call("post", "/containers/create", what, data=json.dumps(spec))
         if resp.status_code not in (200, 201):
@@ -390,6 +395,30 @@ class Podman:
                 raise PodmanError(f"{what}: no such image")
             raise PodmanError(f"{what}: {message}")
         return str(resp.json()["Id"])
+
+    def _remove_leftovers(self, dest: Path) -> None:
+        """What an extraction killed with SIGKILL left behind: its staging directories beside
+        ``dest`` and its never-started containers.
+
+        The caller holds the instance lock, so a staging directory of ``dest`` belongs to a dead
+        process. A container is only removed when the process named by its pid label is gone
+        (other instances may be extracting right now).
+        """
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.*.new"):
+            log.info("removing %s, left by an interrupted extraction", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        what = "list extraction containers"
+        flt = json.dumps({"label": [f"{EXTRACT_ROLE_LABEL}=extract"]})
+        resp = self._call("get", "/containers/json", what, params={"all": True, "filters": flt})
+        if resp.status_code != 200:
+            log.warning("%s: %s", what, _message(resp))
+            return
+        for ctr in resp.json() or []:
+            owner = (ctr.get("Labels") or {}).get(EXTRACT_PID_LABEL, "")
+            if owner.isdigit() and _alive(int(owner)):
+                continue
+            log.info("removing extraction container %s, left by pid %s", ctr["Id"][:12], owner)
+            self._remove_container(str(ctr["Id"]))
 
     def _remove_container(self, container: str) -> None:
         """Best effort: it runs in a finally and must not hide the error that got us there."""
@@ -584,6 +613,16 @@ def _safe_name(name: str, source: str) -> PurePosixPath | None:
     if ".." in parts:
         raise PodmanError(f"{source}: refusing archive member with '..' in {name!r}")
     return PurePosixPath(*parts) if parts else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _replace_dir(staging: Path, dest: Path) -> None:

@@ -306,3 +306,48 @@ def test_ping_and_missing_image(podman: Podman) -> None:
     podman.ping()
     assert podman.get_image("localhost/kvcd-test/never-built:1") is None
     podman.remove_image("0" * 64)  # missing: nothing to do
+
+
+def test_extract_removes_what_a_killed_extraction_left(
+    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    """kill -9 during an extraction leaves a staging directory and a created container; the
+    next extraction of that instance removes both, and not a live process's container."""
+    instance = uniq("left")
+    info = build(
+        podman, driver_context(tmp_path, base_image), f"localhost/kvcd-test/{instance}:1", instance
+    )
+    dest = tmp_path / "store" / "1.0" / KVER
+    dest.parent.mkdir(parents=True)
+    stale = dest.parent / f".{KVER}.k1ll3d.new"
+    (stale / "extra").mkdir(parents=True)
+    (stale / "extra" / "half.ko").write_bytes(b"half")
+    other = dest.parent / ".other-kernel.abc.new"  # another destination's staging: not ours
+    other.mkdir()
+
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+
+    def create(pid: int) -> str:
+        spec = {
+            "image": info.id,
+            "command": ["/never"],
+            "labels": {"io.kvcd.role": "extract", "io.kvcd.pid": str(pid)},
+        }
+        resp = podman_api.post("/containers/create", data=json.dumps(spec))
+        assert resp.status_code in (200, 201), resp.text
+        return str(resp.json()["Id"])
+
+    orphan, live = create(dead), create(os.getppid())
+    try:
+        podman.extract(info.id, f"/lib/modules/{KVER}", dest)
+        ids = {c["Id"] for c in containers(podman_api)}
+        assert orphan not in ids
+        assert live in ids
+        assert not stale.exists()
+        assert other.is_dir()
+        assert (dest / "extra" / "a.ko").is_file()
+    finally:
+        podman_api.delete(f"/containers/{live}", params={"force": True})
