@@ -7,7 +7,9 @@ CPU and nothing polls. Each feature beside the core lifecycle is an `Extension`:
 - `start(ctx)` starts its watchers; they may run in their own threads and call `ctx.post(Event)`
   from there (thread-safe). Nothing else may be done from a watcher thread: every decision and
   every change happens on the main thread, in `verdict` and `after`.
-- `interval()` asks for a periodic `Event(source=<name>, what="timer")` (None: never).
+- `interval()` asks for a periodic `Event(source=<name>, what="timer")` (None: never). It is
+  read at start and after every reconcile while no timer of that extension is armed, so an
+  extension may arm one later (a deadline) by returning a value then.
 - `verdict(ctx, events)` runs before each reconcile with the events that caused it and may
   redirect it: load (the default), unload, or hold (change nothing, record a state and reason).
   The first extension that returns a verdict wins, in the order of `extensions.build`.

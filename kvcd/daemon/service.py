@@ -59,12 +59,15 @@ class Service:
         self._pending: set[int] = set()
         self._rsock, self._wsock = socket.socketpair()
         self._sel = selectors.DefaultSelector()
+        self._sigsel = selectors.DefaultSelector()
         self.fields = {"KVCD_INSTANCE": name, "KVCD_KERNEL": kernel}
         self._extended = float("-inf")
         self.mail = Mailbox()
         self.exts: list[Extension] = []
         self.ctx: Context | None = None
         self._timers: dict[int, float] = {}  # id(extension) -> monotonic time of its next tick
+        # The config and verdict whose apply failed permanently, not retried on mere events.
+        self._failed: tuple[InstanceConfig, Verdict] | None = None
 
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -78,6 +81,8 @@ class Service:
             signal.signal(sig, self._on_signal)
         self._sel.register(self._rsock, selectors.EVENT_READ)
         self._sel.register(self.mail.rsock, selectors.EVENT_READ)
+        # Signals only: a backoff wait must not spin on events it leaves queued for later.
+        self._sigsel.register(self._rsock, selectors.EVENT_READ)
 
     def _wait(self, timeout: float | None, *, events: bool = True) -> list[Event]:
         """Sleep until a signal or (with `events`) an extension's event arrives, an extension's
@@ -97,7 +102,7 @@ class Service:
                 for x in (left, interval, None if tick is None else tick - now, 3600.0)
                 if x is not None
             )
-            if self._sel.select(max(step, 0.0)):
+            if (self._sel if events else self._sigsel).select(max(step, 0.0)):
                 with contextlib.suppress(BlockingIOError):
                     self._rsock.recv(512)
             self.notify.watchdog()
@@ -177,9 +182,17 @@ class Service:
                 log.exception("extension %s did not start", ext.name, extra=self.fields)
                 continue
             self.exts.append(ext)
-            every = ext.interval()
-            if every is not None:
-                self._timers[id(ext)] = time.monotonic() + every
+        self._arm_timers()
+
+    def _arm_timers(self) -> None:
+        """Extensions may ask for a timer at any time: `interval()` is read after each reconcile
+        by those without one armed."""
+        now = time.monotonic()
+        for ext in self.exts:
+            if id(ext) not in self._timers:
+                every = ext.interval()
+                if every is not None:
+                    self._timers[id(ext)] = now + every
 
     def stop_extensions(self) -> None:
         for ext in reversed(self.exts):
@@ -230,15 +243,25 @@ class Service:
                 return None
             self._ensure_extensions(inst)
             verdict = self._verdict(events) or Verdict(LOAD)
+            if self._failed == (inst.cfg, verdict) and not any(
+                e.source in ("start", "signal") for e in events
+            ):
+                # The same change already failed for good: an unrelated event (a timer, a next
+                # kernel, a node watch) must not rebuild and reload it again and again. A reload,
+                # a config change or another verdict tries again.
+                return self._after(inst, None)
             try:
                 with _Keepalive(self.notify):
                     if verdict.verb == HOLD:
                         record = inst.note(verdict.state, verdict.reason, pid=os.getpid())
                     else:
                         record = inst.apply(verdict.verb, pid=os.getpid(), why=verdict.reason)
-                return self._after(inst, record)
+                    self._failed = None
+                    # After-hooks may work long too (next-kernel builds ahead): keep feeding.
+                    return self._after(inst, record)
             except StepFailed as exc:
                 if not exc.transient:
+                    self._failed = (inst.cfg, verdict)
                     self._after(inst, None)
                     return None
                 delay = self.backoff.delay(attempt)
@@ -291,6 +314,7 @@ class Service:
                     for ev in events:
                         log.debug("event %s: %s", ev.source, ev.what, extra=self.fields)
                     ready = self._announce(self.reconcile(events), ready)
+                    self._arm_timers()
         finally:
             signal.set_wakeup_fd(-1)
             self.stop_extensions()

@@ -278,3 +278,57 @@ def test_an_extension_that_fails_to_start_is_left_out(
     assert rec is not None and rec.state == state.DONE
     assert [e.name for e in svc.exts] == ["scripted"]
     svc.stop_extensions()
+
+
+def modprobes(fakes: Any) -> list[list[str]]:
+    return [c for c in fakes.calls() if c[0] == "modprobe"]
+
+
+def test_a_permanent_failure_is_retried_on_reload_not_on_every_event(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, fake_commands: Any
+) -> None:
+    use(monkeypatch, Scripted())
+    svc, _ = service(host)
+    assert svc.reconcile([Event("start")]) is not None
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    (host.root / "fail-load").write_text("kvcd_user\n")
+    assert svc.reconcile([Event("signal", "reload")]) is None  # rolled back to 1.0, Degraded
+    tried = len(modprobes(fake_commands))
+    rec = svc.reconcile([Event("scripted", "timer"), Event("node", "annotation changed")])
+    assert rec is not None and rec.state == state.DEGRADED
+    assert len(modprobes(fake_commands)) == tried  # nothing re-applied
+    (host.root / "fail-load").unlink()
+    rec = svc.reconcile([Event("signal", "reload")])
+    assert rec is not None and rec.state == state.DONE and rec.version == "2.0"
+    svc.stop_extensions()
+
+
+def test_a_backoff_wait_leaves_events_queued_without_spinning(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use(monkeypatch)
+    svc, _ = service(host)
+    svc._install()
+    try:
+        svc.mail.post(Event("drift", "/x"))
+        calls = 0
+
+        def counted(sel: Any) -> None:
+            real = sel.select
+
+            def counting(timeout: float | None = None) -> Any:
+                nonlocal calls
+                calls += 1
+                return real(timeout)
+
+            monkeypatch.setattr(sel, "select", counting)
+
+        counted(svc._sel)
+        counted(svc._sigsel)
+        assert svc._wait(0.3, events=False) == []
+        assert calls <= 2  # one sleep (plus one for a rounding remainder), not a spin
+        assert svc.mail.drain() == [Event("drift", "/x")]
+    finally:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
