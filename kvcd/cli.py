@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     grp.add_argument("instance", metavar="NAME", nargs="?")
     grp.add_argument("--all", action="store_true")
     cc.add_argument("--kernel", metavar="KVER")
+    cp = sub.add_parser("capabilities", help="the node's capabilities (GEP-33) for image variants")
+    cp.add_argument("--json", action="store_true")
+    cp.add_argument(
+        "--explain", metavar="NAME", help="show how instance NAME's image variant is chosen"
+    )
+    cp.add_argument("--kernel", metavar="KVER", help="describe kernel KVER, not the running one")
     kb = sub.add_parser("kabi", help="would an instance's modules (or a .ko) load on kernel KVER?")
     kb.add_argument(
         "target",
@@ -82,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     kb.add_argument("--kernel", metavar="KVER", required=True, help="kernel release to check")
     kb.add_argument("--json", action="store_true")
+    for verb, what in (("label", "labels"), ("annotate", "annotations")):
+        nv = sub.add_parser(
+            verb, help=f"set (KEY=VALUE) or remove (KEY-) node {what} in the node file"
+        )
+        nv.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
     wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
     wr.add_argument("instance", metavar="NAME")
     wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
@@ -97,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = HostRoot(Path(args.root))
     if args.verb == "status":
         return _status(root, args.instance, args.json)
+    if args.verb in ("label", "annotate"):
+        from kvcd.daemon.report import edit_node_command
+
+        return edit_node_command(root, args.verb, args.edits)
     if args.verb == "kabi":
         from kvcd.daemon.kabi import kabi_command
 
@@ -104,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvcd.config.model import ConfigError
 
     try:
+        if args.verb == "capabilities":
+            from kvcd.daemon.variants import capabilities_command
+
+            return capabilities_command(root, args.json, args.explain, args.kernel)
         return _dispatch(root, args)
     except ConfigError as exc:
         print(f"kvcd: {exc}", file=sys.stderr)
@@ -166,7 +185,12 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
         on_build_line=progress.line,
     )
     if args.dry_run:
-        for line in inst.plan(verb).describe():
+        try:
+            planned = inst.plan(verb)
+        except StepFailed as exc:  # e.g. NoVariant: no image variant fits this node
+            print(f"kvcd: {cfg.name}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        for line in planned.describe():
             print(line)
         return EXIT_OK
     try:
@@ -206,6 +230,12 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
         print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
         if kernel:
             inst = Instance(root, settings, cfg, kernel)
+            if inst.cfg.variant is not None:
+                print(f"  image variant for this node: {inst.cfg.variant}")
+            if inst.no_variant is not None:
+                print(f"  {name}: NO PLAN: {inst.no_variant}")
+                bad += 1
+                continue
             print(f"  plan for {kernel}:")
             for line in inst.plan("load").describe():
                 print(f"    {line}")

@@ -18,6 +18,9 @@ APT_PACKAGES=(
   rpm rpmlint
   # python venv
   python3-venv
+  # pydbus (the `dbus` extra) needs PyGObject, built from source in the venv (no wheel), and
+  # the D-Bus tests start a private dbus-daemon
+  libgirepository1.0-dev libcairo2-dev pkg-config python3-dev dbus-daemon
 )
 
 # A second 6.1 headers ABI for the kABI tests: the oldest the archive still has (Debian retires

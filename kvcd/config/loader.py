@@ -90,9 +90,39 @@ _TOP_KEYS = (
     "wrapper_args",
     "build",
     "params",
+    "ordered_upgrade",
+    "upgrade_label",
+    "drain",
+    "watch_config",
+    "on_external_unload",
+    # capabilities, variants, device gating, links, depends_on: kvcd/config/capsconf.py
+    "capabilities",
+    "variants",
+    "requires_device",
+    "unload_on_device_removal",
+    "expect_links",
+    "expect_links_timeout",
+    "depends_on",
+    "kabi",
 )
+KABI_MODES = ("weak-updates-first", "rebuild")
 _BUILD_KEYS = ("context", "containerfile", "args")
-_SETTINGS_KEYS = ("podman_socket", "annotation_prefix", "extra")
+_SETTINGS_KEYS = (
+    "podman_socket",
+    "annotation_prefix",
+    "extra",
+    "node_backend",
+    "node_name",
+    "kubeconfig",
+    "drain",
+    "drain_timeout",
+    "drift_interval",
+    "node_capabilities",
+)
+NODE_BACKENDS = ("file", "kubernetes")
+DRAIN_MODES = ("none", "cluster")
+# A Kubernetes label/annotation name part: at most 63 characters, alphanumeric at both ends.
+_QNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 # KVC: the variables kvcd maps onto typed fields; everything else becomes kvc_env.
 KVC_VERSION = "KMOD_SOFTWARE_VERSION"
@@ -137,7 +167,19 @@ class _Invalid(Exception):
 
 
 def load_instance(root: ConfigLocations, name: str) -> InstanceConfig:
-    """Load instance ``name``: native admin, native vendor, then KVC compatibility."""
+    """Load instance ``name``: native admin, native vendor, then KVC compatibility.
+
+    With `depends_on`, the instances it depends on are loaded too: a cycle or a missing one
+    is a ConfigError naming the chain."""
+    config = _load_instance(root, name)
+    if config.depends_on:
+        from kvcd.config.capsconf import check_dependencies
+
+        check_dependencies(root, config, _load_instance)
+    return config
+
+
+def _load_instance(root: ConfigLocations, name: str) -> InstanceConfig:
     admin_dir, vendor_dir = root.instance_dirs()
     _check_instance_name(name, admin_dir)
     natives = (admin_dir / f"{name}.toml", vendor_dir / f"{name}.toml")
@@ -198,9 +240,15 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
 
     _unknown_keys(data, _SETTINGS_KEYS, "top level", fail)
     values: dict[str, Any] = {}
-    rules: dict[str, Callable[[object, str], str]] = {
+    rules: dict[str, Callable[[object, str], Any]] = {
         "podman_socket": _podman_socket,
         "annotation_prefix": _dns_subdomain,
+        "node_backend": lambda v, k: _choice(v, k, NODE_BACKENDS),
+        "node_name": _node_name,
+        "kubeconfig": _abs_path,
+        "drain": lambda v, k: _choice(v, k, DRAIN_MODES),
+        "drain_timeout": _seconds,
+        "drift_interval": _drift_interval,
     }
     for key, rule in rules.items():
         if key in data:
@@ -216,6 +264,12 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
             if not isinstance(value, str):
                 raise fail(f"'extra.{key}' must be a string, got {_show(value)}", "extra", key)
         values["extra"] = dict(extra)
+    if "node_capabilities" in data:
+        from kvcd.config.capsconf import capability_set
+
+        values["node_capabilities"] = capability_set(
+            data["node_capabilities"], fail, ("node_capabilities",), "node_capabilities"
+        )
     return Settings(**values)
 
 
@@ -461,6 +515,31 @@ def _param_value(value: object, label: str) -> str:
     return value
 
 
+EXTERNAL_UNLOAD_POLICIES = ("degrade", "reload")
+DRIFT_INTERVAL_MIN = 10  # a re-check is a full re-hash: never let it become a busy poll
+DRIFT_INTERVAL_MAX = 86400
+
+
+def _external_unload(value: object, label: str) -> str:
+    if value not in EXTERNAL_UNLOAD_POLICIES:
+        raise _Invalid(
+            f"'{label}' must be one of {', '.join(map(json.dumps, EXTERNAL_UNLOAD_POLICIES))}, "
+            f"got {_show(value)}"
+        )
+    return str(value)
+
+
+def _drift_interval(value: object, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Invalid(f"'{label}' must be an integer number of seconds, got {_show(value)}")
+    if not DRIFT_INTERVAL_MIN <= value <= DRIFT_INTERVAL_MAX:
+        raise _Invalid(
+            f"'{label}' must be between {DRIFT_INTERVAL_MIN} and {DRIFT_INTERVAL_MAX} seconds, "
+            f"got {value}"
+        )
+    return value
+
+
 def _podman_socket(value: object, label: str) -> str:
     if not isinstance(value, str) or _has_control(value) or " " in value:
         raise _Invalid(f"'{label}' must be a URL string, got {_show(value)}")
@@ -490,6 +569,48 @@ def _dns_subdomain(value: object, label: str) -> str:
         f"'{label}' must be a DNS subdomain (lower-case labels [a-z0-9-] of at most 63 "
         f"characters joined by '.', at most 253 in all), got {_show(value)}"
     )
+
+
+def _choice(value: object, label: str, allowed: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise _Invalid(f"'{label}' must be one of {', '.join(map(repr, allowed))}, got {_show(value)}")
+
+
+def _node_name(value: object, label: str) -> str:
+    if isinstance(value, str) and (value == "" or _dns_subdomain(value, label)):
+        return value
+    raise _Invalid(f"'{label}' must be a node name (a DNS subdomain), got {_show(value)}")
+
+
+def _abs_path(value: object, label: str) -> str:
+    if isinstance(value, str) and (
+        value == "" or (value.startswith("/") and not _has_control(value))
+    ):
+        return value
+    raise _Invalid(f"'{label}' must be an absolute path, got {_show(value)}")
+
+
+def _seconds(value: object, label: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 86400:
+        return float(value)
+    raise _Invalid(f"'{label}' must be a number of seconds in (0, 86400], got {_show(value)}")
+
+
+def qualified_name(value: object, label: str) -> str:
+    """A Kubernetes label key: [DNS-subdomain '/'] name, the name at most 63 characters."""
+    if isinstance(value, str):
+        prefix, _, name = value.rpartition("/")
+        if _QNAME.fullmatch(name) and (not prefix or _is_dns_subdomain(prefix)):
+            return value
+    raise _Invalid(
+        f"'{label}' must be a label key ([prefix/]name, the name at most 63 characters of "
+        f"[A-Za-z0-9-_.], alphanumeric at both ends), got {_show(value)}"
+    )
+
+
+def _is_dns_subdomain(value: str) -> bool:
+    return 0 < len(value) <= 253 and all(_DNS_LABEL.fullmatch(p) for p in value.split("."))
 
 
 def _unknown_keys(
@@ -558,15 +679,38 @@ class _TomlInstance:
                     f"'keep_images' must be an integer >= 1, got {_show(value)}", "keep_images"
                 )
             values["keep_images"] = value
+        if "kabi" in data:
+            value = data["kabi"]
+            if value not in KABI_MODES:
+                raise self.fail(
+                    f"'kabi' must be one of {', '.join(map(repr, KABI_MODES))}, got {_show(value)}",
+                    "kabi",
+                )
+            values["kabi"] = value
+        if "watch_config" in data:
+            value = data["watch_config"]
+            if not isinstance(value, bool):
+                raise self.fail(
+                    f"'watch_config' must be true or false, got {_show(value)}", "watch_config"
+                )
+            values["watch_config"] = value
+        if "on_external_unload" in data:
+            values["on_external_unload"] = self.check(
+                _external_unload, data["on_external_unload"], "on_external_unload"
+            )
         if "wrapper_args" in data:
             values["wrapper_args"] = self.wrapper_args(data["wrapper_args"])
         if "build" in data:
             values["build"] = self.build_source(data["build"])
-        if "build" not in values and "image" not in values:
+        if "build" not in values and "image" not in values and "variants" not in data:
             raise self.fail(
                 "needs a [build] table or an 'image' (or both): without either there is no "
                 "way to get the driver image"
             )
+        values.update(self.node_keys(data))
+        from kvcd.config import capsconf
+
+        values.update(capsconf.parse(self, data))
         params = self.params(data.get("params", {}), names)
         return InstanceConfig(
             name=self.name,
@@ -586,6 +730,27 @@ class _TomlInstance:
             if "\0" in arg:
                 raise self.fail("'wrapper_args' entries must not contain NUL", "wrapper_args")
         return tuple(value)
+
+    def node_keys(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """ordered_upgrade, upgrade_label, drain (issue #6: node state)."""
+        values: dict[str, Any] = {}
+        if "ordered_upgrade" in data:
+            value = data["ordered_upgrade"]
+            if not isinstance(value, bool):
+                raise self.fail(
+                    f"'ordered_upgrade' must be true or false, got {_show(value)}",
+                    "ordered_upgrade",
+                )
+            values["ordered_upgrade"] = value
+        if "upgrade_label" in data:
+            values["upgrade_label"] = self.check(
+                qualified_name, data["upgrade_label"], "upgrade_label"
+            )
+        if "drain" in data:
+            values["drain"] = self.check(
+                lambda v, k: _choice(v, k, DRAIN_MODES), data["drain"], "drain"
+            )
+        return values
 
     def build_source(self, table: object) -> BuildSource:
         if not isinstance(table, dict):

@@ -5,9 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcd.core.capabilities import LinkSpec
 from kvcd.core.types import ModuleSpec
 
-__all__ = ["BuildSource", "ConfigError", "InstanceConfig", "ModuleSpec", "Settings", "tag_safe"]
+__all__ = [
+    "BuildSource",
+    "ConfigError",
+    "InstanceConfig",
+    "LinkSpec",
+    "ModuleSpec",
+    "Settings",
+    "Variant",
+    "tag_safe",
+]
+
+# A capability set (GEP-33): capability name -> values, as a hashable tuple of pairs.
+Capabilities = tuple[tuple[str, tuple[str, ...]], ...]
 
 
 class ConfigError(Exception):
@@ -31,6 +44,18 @@ class BuildSource:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One image variant of an instance (`[variants.<name>]`): where its image comes from and
+    the capability set it supports (GEP-33). Missing capabilities default to the instance's
+    preference table."""
+
+    name: str
+    capabilities: Capabilities = ()
+    image: str | None = None
+    build: BuildSource | None = None
+
+
+@dataclass(frozen=True)
 class InstanceConfig:
     name: str
     source: Path  # the file it was read from
@@ -49,6 +74,33 @@ class InstanceConfig:
     # Other assignments of a KVC .conf, handed to the hooks' environment as data.
     kvc_env: tuple[tuple[str, str], ...] = ()
     format: str = "toml"  # "toml" or "kvc"
+    # Image variants (GEP-33) and the preference table that orders capability values; the
+    # daemon picks one variant for the node (kvcd/daemon/observe.py resolve_variant), which
+    # then supplies `image`/`build` and is named in `variant`.
+    variants: tuple[Variant, ...] = ()
+    capabilities: Capabilities = ()
+    variant: str | None = None
+    # Device gating: modalias globs or vendor:device ids; with none present nothing loads.
+    requires_device: tuple[str, ...] = ()
+    unload_on_device_removal: bool = False
+    # Network-driver readiness: Done only once these links exist (and are up when asked).
+    expect_links: tuple[LinkSpec, ...] = ()
+    expect_links_timeout: float = 120.0
+    # Instances that must be loaded first (and unloaded last): SRO's dependsOn.
+    depends_on: tuple[str, ...] = ()
+    # Drift: reconcile when this config file changes on disk (default: only on reload).
+    watch_config: bool = False
+    # Drift: an instance module removed/replaced outside kvcd -> "degrade" | "reload".
+    on_external_unload: str = "degrade"
+    # Ordered upgrade (KMM protocol): load `version` only while the node label equals it.
+    ordered_upgrade: bool = False
+    # The label to follow; None = "<annotation_prefix>/version.<instance>".
+    upgrade_label: str | None = None
+    # "none" | "cluster"; None = the node-wide Settings.drain.
+    drain: str | None = None
+    # Before a kernel update: "weak-updates-first" reuses the modules built for the running
+    # kernel when they are kABI-compatible with the next one (else builds); "rebuild" always builds.
+    kabi: str = "weak-updates-first"
 
     def image_ref(self, kernel: str) -> str | None:
         if self.image is None:
@@ -56,8 +108,12 @@ class InstanceConfig:
         return self.image.replace("{kernel}", kernel).replace("{version}", self.version)
 
     def image_tag(self, kernel: str) -> str:
-        """kvcd's own local tag: kvcd-<instance>-<version>:<kernel, tag-safe>."""
-        return f"localhost/kvcd-{tag_safe(self.name)}-{tag_safe(self.version)}:{tag_safe(kernel)}"
+        """kvcd's own local tag: kvcd-<instance>-<version>:<kernel, tag-safe>; with a variant,
+        kvcd-<instance>-<variant>-<version>, so a cached image of another variant is not used."""
+        name = tag_safe(self.name)
+        if self.variant is not None:
+            name += f"-{tag_safe(self.variant)}"
+        return f"localhost/kvcd-{name}-{tag_safe(self.version)}:{tag_safe(kernel)}"
 
     def path_in_image(self, kernel: str) -> str:
         return self.modules_path.replace("{kernel}", kernel)
@@ -82,7 +138,18 @@ class Settings:
 
     podman_socket: str = "unix:///run/podman/podman.sock"
     annotation_prefix: str = "kvcd.io"
+    # Drift: seconds between full re-checks of every instance's files (safety net for lost
+    # watches, and the only check when the inotify watch limit is hit).
+    drift_interval: int = 300
+    # Where node state is reported: "file" (/var/lib/kvcd/node.json) or "kubernetes".
+    node_backend: str = "file"
+    node_name: str = ""  # "" = $NODE_NAME, else the hostname
+    kubeconfig: str = ""  # "" = in-cluster service account
+    drain: str = "none"  # default drain mode of instances: "none" | "cluster"
+    drain_timeout: float = 600.0  # seconds to wait for DrainComplete before Degraded
     extra: dict[str, str] = field(default_factory=dict)
+    # Capability values the admin pins for this node; they replace discovered ones (GEP-33).
+    node_capabilities: Capabilities = ()
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -22,6 +22,15 @@ UNLOAD_FAILED = "UnloadFailed"
 MODULE_IN_USE = "ModuleInUse"
 VERIFY_FAILED = "VerifyFailed"
 HOOK_FAILED = "HookFailed"
+# Drift (kvcd/daemon/drift.py): a file kvcd owns differs from what kvcd left there; an instance
+# module was removed from the kernel, or another build of it loaded, outside kvcd.
+DRIFT = "Drift"
+MODULE_REMOVED = "ModuleRemoved"
+MODULE_REPLACED = "ModuleReplaced"
+# Capabilities (kvcd/daemon/variants.py, links.py): no image variant fits the node; expected
+# network links did not appear in time.
+NO_VARIANT = "NoVariant"
+LINKS_MISSING = "LinksMissing"
 REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
@@ -36,6 +45,11 @@ REASONS = (
     MODULE_IN_USE,
     VERIFY_FAILED,
     HOOK_FAILED,
+    DRIFT,
+    MODULE_REMOVED,
+    MODULE_REPLACED,
+    NO_VARIANT,
+    LINKS_MISSING,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

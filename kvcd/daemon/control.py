@@ -27,7 +27,13 @@ def daemon_pid(root: HostRoot, name: str) -> int | None:
 
 
 def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2) -> int:
-    """SIGHUP the daemon and wait for the reconcile it triggers; 0 when it ends Done."""
+    """Ask the daemon to reload and wait for the outcome of *that* reload; 0 when it ends Done.
+
+    The request is a sequence number in /run/kvcd/<name>.reload, then SIGHUP; the daemon answers
+    in <name>.reloaded with the newest number it read before reconciling. So a reconcile that
+    was already running for another event (a file, a label) is never taken for this reload, and
+    reloads that arrive together are answered together.
+    """
     pid = daemon_pid(root, name)
     if pid is None:
         print(
@@ -35,17 +41,19 @@ def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2)
             file=sys.stderr,
         )
         return 1
-    before = Record.read(root, name)
-    generation = before.generation if before else 0
+    request = root.reload_request(name)
+    with files.locked(request.with_name(request.name + ".lock")):
+        seq = _seq(files.read_json(request)) + 1
+        files.write_json(request, {"seq": seq})
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rec = Record.read(root, name)
-        if rec is not None and rec.generation > generation and rec.state != state.WORKING:
-            if rec.state == state.DONE:
-                print(f"{name}: Done (version {rec.version})")
+        answer = files.read_json(root.reload_answer(name))
+        if _seq(answer) >= seq and isinstance(answer, dict):
+            if answer.get("state") == state.DONE:
+                print(f"{name}: Done (version {answer.get('version', '')})")
                 return 0
-            print(f"{name}: {rec.state}: {rec.reason}", file=sys.stderr)
+            print(f"{name}: {answer.get('state')}: {answer.get('reason', '')}", file=sys.stderr)
             return 1
         if daemon_pid(root, name) is None:
             print(f"kvcd: kvcd@{name} exited during the reload", file=sys.stderr)
@@ -53,6 +61,30 @@ def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2)
         time.sleep(poll)
     print(f"kvcd: no reload result from kvcd@{name} after {timeout:.0f}s", file=sys.stderr)
     return 1
+
+
+def _seq(data: object) -> int:
+    value = data.get("seq") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def reload_requested(root: HostRoot, name: str) -> int:
+    """The daemon's side: the newest reload number written so far (0: none)."""
+    return _seq(files.read_json(root.reload_request(name)))
+
+
+def answer_reload(root: HostRoot, name: str, seq: int, record: Record | None) -> None:
+    """The daemon's side: the outcome of the reconcile that handled reloads up to `seq`."""
+    rec = record or Record.read(root, name)
+    files.write_json(
+        root.reload_answer(name),
+        {
+            "seq": seq,
+            "state": rec.state if rec else state.DEGRADED,
+            "reason": rec.reason if rec else "no state recorded",
+            "version": rec.version if rec else "",
+        },
+    )
 
 
 def wrapper(

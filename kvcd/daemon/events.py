@@ -46,6 +46,9 @@ HOLD = "hold"
 class Event:
     source: str  # the extension (or "signal", "start") that posted it
     what: str = ""  # one short line, logged at debug level: the path, the module, the label …
+    # A change that failed for good is tried again only on an event that may have removed the
+    # cause: start, reload, or a source that says so (DrainComplete: the module is free now).
+    retry: bool = False
 
 
 @dataclass(frozen=True)

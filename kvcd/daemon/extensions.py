@@ -13,4 +13,49 @@ from kvcd.daemon.events import Extension
 def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     """A fresh set for this config; imports are local so unused features cost nothing."""
     out: list[Extension] = []
-    return out
+    # Drift (issue #5) goes FIRST: while kvcd's files differ from what it left, nothing else
+    # may change the instance.
+    from kvcd.daemon.drift import DriftMonitor
+
+    out.append(DriftMonitor(cfg, settings))
+    # Node state (issue #6): one NodeLink (backend + writer + watch) shared by the three.
+    from kvcd.daemon.drain import Drain
+    from kvcd.daemon.report import NodeLink, Reporter
+
+    link = NodeLink(settings)
+    # Drain holds a reconcile only while its own request waits for DrainComplete; it goes
+    # before ordered-upgrade so that a label change cannot bypass a pending drain.
+    out.append(Drain(link))
+    if cfg.ordered_upgrade:
+        from kvcd.daemon.upgrade import OrderedUpgrade
+
+        out.append(OrderedUpgrade(link))
+    # Capabilities (issue #7), after drift and ordered-upgrade: no fitting image variant
+    # (Degraded), then dependencies not loaded yet (Working), then device gating (Done,
+    # "no device"). Link readiness is an after-hook only.
+    if cfg.variants:
+        from kvcd.daemon.variants import VariantGate
+
+        out.append(VariantGate())
+    if cfg.depends_on:
+        from kvcd.daemon.depends import DependsGate
+
+        out.append(DependsGate())
+    if cfg.requires_device:
+        from kvcd.daemon.devices import DeviceGate
+
+        out.append(DeviceGate())
+    if cfg.expect_links:
+        from kvcd.daemon.links import LinkReadiness
+
+        out.append(LinkReadiness())
+    # ... other verdict extensions go here ...
+    # Next kernel (issue #4): holds only the cycles its own events cause (the instance stays as
+    # recorded while its after-hook prepares the next kernel and fills the record's next_kernel
+    # fields), so it goes last among the verdicts and before the reporter.
+    from kvcd.daemon.nextkernel import NextKernel
+
+    out.append(NextKernel(settings))
+    # The reporter's after-hook runs LAST: it publishes what the other after-hooks set.
+    reporter: list[Extension] = [Reporter(link)]
+    return out + reporter

@@ -42,7 +42,10 @@ class Instance:
     ) -> None:
         self.root = root
         self.settings = settings
-        self.cfg = cfg
+        # Image variants (GEP-33): the one that fits this node supplies image/build.
+        from kvcd.daemon.variants import resolve_variant
+
+        self.cfg, self.no_variant = resolve_variant(root, settings, cfg, kernel)
         self.kernel = kernel
         self.on_step = on_step
         self.on_build_line = on_build_line
@@ -58,6 +61,8 @@ class Instance:
         return desired_for(self.cfg, self.kernel)
 
     def plan(self, verb: str) -> Plan:
+        if self.no_variant is not None and verb != "unload":
+            raise StepFailed(state.NO_VARIANT, self.no_variant)
         d = self.desired
         return VERBS[verb](d, observe(self.root, d))
 
@@ -81,6 +86,10 @@ class Instance:
                 generation=generation,
                 pid=pid,
             )
+            if previous is not None:  # the next-kernel extension's findings outlive a reconcile
+                record.next_kernel = previous.next_kernel
+                record.next_kernel_state = previous.next_kernel_state
+                record.next_kernel_reason = previous.next_kernel_reason
             changes = [a for a in plan.actions if not isinstance(a, Verify)]
             if changes or plan.blocked:
                 self._record(record, state.WORKING, "")

@@ -26,7 +26,7 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import state
 from kvcd.core.state import Backoff, StepFailed
-from kvcd.daemon import extensions
+from kvcd.daemon import control, extensions
 from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.record import Record
@@ -243,12 +243,10 @@ class Service:
                 return None
             self._ensure_extensions(inst)
             verdict = self._verdict(events) or Verdict(LOAD)
-            if self._failed == (inst.cfg, verdict) and not any(
-                e.source in ("start", "signal") for e in events
-            ):
+            if self._failed == (inst.cfg, verdict) and not any(e.retry for e in events):
                 # The same change already failed for good: an unrelated event (a timer, a next
                 # kernel, a node watch) must not rebuild and reload it again and again. A reload,
-                # a config change or another verdict tries again.
+                # a config change, another verdict or an event that says so (retry) tries again.
                 return self._after(inst, None)
             try:
                 with _Keepalive(self.notify):
@@ -295,7 +293,7 @@ class Service:
         self._install()
         files.atomic_write(self.root.pid_file(self.name), f"{os.getpid()}\n".encode())
         try:
-            record = self.reconcile([Event("start")])
+            record = self.reconcile([Event("start", retry=True)])
             if record is None:
                 if self._take(signal.SIGTERM, signal.SIGINT):
                     return self.stop()
@@ -306,14 +304,20 @@ class Service:
                 events = self._wait(None)
                 if self._take(signal.SIGTERM, signal.SIGINT):
                     return self.stop()
+                reload_seq = None
                 if self._take(signal.SIGHUP):
                     self.notify.reloading()
-                    events.append(Event("signal", "reload"))
+                    # Read before reconciling: every request up to here is answered by it.
+                    reload_seq = control.reload_requested(self.root, self.name)
+                    events.append(Event("signal", "reload", retry=True))
                     ready = False
                 if events:
                     for ev in events:
                         log.debug("event %s: %s", ev.source, ev.what, extra=self.fields)
-                    ready = self._announce(self.reconcile(events), ready)
+                    record = self.reconcile(events)
+                    if reload_seq is not None:
+                        control.answer_reload(self.root, self.name, reload_seq, record)
+                    ready = self._announce(record, ready)
                     self._arm_timers()
         finally:
             signal.set_wakeup_fd(-1)

@@ -10,8 +10,9 @@ from typing import Any
 
 from kvcd.config.loader import list_instances
 from kvcd.daemon.record import Record, boot_id
-from kvcd.host import kmod
+from kvcd.host import files, kmod
 from kvcd.host.paths import HostRoot
+from kvcd.node.keys import stem
 
 
 def _recorded_names(root: HostRoot) -> set[str]:
@@ -21,11 +22,32 @@ def _recorded_names(root: HostRoot) -> set[str]:
     return {p.stem for p in base.glob("*.json")}
 
 
+def _annotation_prefix(root: HostRoot) -> str:
+    from kvcd.config.loader import load_settings
+    from kvcd.config.model import ConfigError, Settings
+
+    try:
+        return load_settings(root).annotation_prefix
+    except ConfigError:
+        return Settings().annotation_prefix
+
+
+def _processes(root: HostRoot, module: str) -> list[str]:
+    from kvcd.host import procs
+
+    try:
+        devices = procs.module_devices(root, module)
+        return [h.describe() for h in procs.processes_with_open(root, devices)]
+    except Exception:  # a diagnosis only: status must always print
+        return []
+
+
 def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     names = sorted(set(list_instances(root)) | _recorded_names(root))
     if only is not None:
         names = [only]
     current_boot = boot_id(root)
+    prefix = _annotation_prefix(root)
     out = []
     for name in names:
         rec = Record.read(root, name)
@@ -42,19 +64,39 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
                 "refcnt": lm.refcnt if lm else 0,
                 "holders": list(lm.holders) if lm else [],
             }
+            if lm is not None and lm.refcnt > 0:  # who has its device nodes open (psutil)
+                live[mod]["processes"] = _processes(root, mod)
         entry["live"] = live
+        # The node annotation keys of this instance (names over 51 characters are hashed).
+        entry["node_keys"] = f"{prefix}/{stem(name)}.*"
         stale = rec is not None and rec.boot_id is not None and rec.boot_id != current_boot
         entry["stale"] = stale
         loaded = [m for m, v in live.items() if v["loaded"]]
         problems = []
         if stale:
             problems.append("recorded during an earlier boot")
-        if rec and rec.goal == "loaded" and rec.state == "Done" and len(loaded) != len(live):
+        # Done with "no device" (device gating) means idle on purpose: nothing should be loaded.
+        idle = rec is not None and rec.reason == "no device"
+        if (
+            rec
+            and rec.goal == "loaded"
+            and rec.state == "Done"
+            and len(loaded) != len(live)
+            and not idle
+        ):
             missing = sorted(set(live) - set(loaded))
             problems.append(f"recorded Done but not loaded now: {', '.join(missing)}")
         if rec and rec.goal == "unloaded" and loaded:
             problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
         entry["warnings"] = problems
+        # The links the instance provides (expect_links; kvcd/daemon/links.py).
+        links = files.read_json(root.runtime / f"{name}.links.json")
+        if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
+            entry["links"] = links
+        # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
+        monitor = files.read_json(root.runtime / f"{name}.drift.json")
+        if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
+            entry["drift"] = monitor
         out.append(entry)
     return out
 
@@ -74,12 +116,29 @@ def render(entries: list[dict[str, Any]]) -> str:
         lines.append(head)
         if e.get("reason"):
             lines.append(f"  reason: {e['reason']}")
+        if e.get("next_kernel"):  # the kernel that boots next (kvcd/daemon/nextkernel.py)
+            nk = f"  next kernel {e['next_kernel']}: {e.get('next_kernel_state') or 'unknown'}"
+            if e.get("next_kernel_reason"):
+                nk += f" ({e['next_kernel_reason']})"
+            lines.append(nk)
         for mod, v in (e.get("live") or {}).items():
             if v["loaded"]:
                 held = f", held by {', '.join(v['holders'])}" if v["holders"] else ""
+                if v.get("processes"):
+                    held += f", open by {', '.join(v['processes'])}"
                 lines.append(f"  {mod}: loaded (refcnt {v['refcnt']}{held})")
             else:
                 lines.append(f"  {mod}: not loaded")
+        if e.get("drift"):
+            lines.append(f"  drift: {e['drift']['line']}")
+        for link in (e.get("links") or {}).get("provided") or []:
+            updown = "up" if link.get("up") else "down"
+            lines.append(f"  link {link.get('name')}: driver {link.get('driver')}, {updown}")
+        for spec in (e.get("links") or {}).get("missing") or []:
+            lines.append(f"  link missing: {spec}")
+        keys = e.get("node_keys", "")
+        if keys and not keys.endswith(f"/{e['instance']}.*"):
+            lines.append(f"  node keys: {keys} (hashed: the name does not fit a key)")
         for w in e.get("warnings") or []:
             lines.append(f"  warning: {w}")
     return "\n".join(lines)

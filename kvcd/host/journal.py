@@ -50,6 +50,16 @@ MSG_DEGRADED = "70f0367e8cfc464085c7ae01bd109874"
 # Reserved for capabilities that are not written yet.
 MSG_DRIFT = "252f3e49f0504b239c3a547f9c1f06d9"
 MSG_NEXT_KERNEL_READY = "68cffd1472664457a02c51003eeeff6a"
+# Next kernel: preparing it failed; after the reboot into it, its modules were prepared before
+# (no build at boot).
+MSG_NEXT_KERNEL_FAILED = "f806468e3b53485a86923661a7366981"
+MSG_NEXT_KERNEL_PREPARED = "676d10d1f6c740e29d5ca2b95868415a"
+# Drift monitor: resolved (the disk matches again), force file consumed, watch limit hit
+# (periodic checks only), an instance module removed/replaced outside kvcd.
+MSG_DRIFT_RESOLVED = "9b2cba1aca3645f7a78f80185c69df48"
+MSG_DRIFT_FORCED = "64e2f77bf2d341f8a17ce4dafe6ecbf1"
+MSG_DRIFT_PERIODIC = "499876bafb6846739c95ef4bba9e48ae"
+MSG_MODULE_EXTERNAL = "1aae7027ab3b4d87a66a3f766382769a"
 
 MESSAGE_IDS: Mapping[str, str] = {
     "MSG_BUILD_STARTED": MSG_BUILD_STARTED,
@@ -60,6 +70,12 @@ MESSAGE_IDS: Mapping[str, str] = {
     "MSG_DEGRADED": MSG_DEGRADED,
     "MSG_DRIFT": MSG_DRIFT,
     "MSG_NEXT_KERNEL_READY": MSG_NEXT_KERNEL_READY,
+    "MSG_NEXT_KERNEL_FAILED": MSG_NEXT_KERNEL_FAILED,
+    "MSG_NEXT_KERNEL_PREPARED": MSG_NEXT_KERNEL_PREPARED,
+    "MSG_DRIFT_RESOLVED": MSG_DRIFT_RESOLVED,
+    "MSG_DRIFT_FORCED": MSG_DRIFT_FORCED,
+    "MSG_DRIFT_PERIODIC": MSG_DRIFT_PERIODIC,
+    "MSG_MODULE_EXTERNAL": MSG_MODULE_EXTERNAL,
 }
 
 INSTANCE_FIELD = "KVCD_INSTANCE"

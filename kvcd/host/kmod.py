@@ -14,6 +14,9 @@ Layout of the module root for one kernel ``k`` (DESIGN.md "Module root")::
                                                   dependencies resolve
         modules.builtin, modules.builtin.modinfo, modules.order   copies of the system's
         extra/<instance> -> <store>/<version>/<k>                 the active version
+        weak-updates/<instance> -> <store>/<version>/<k>          modules of another kernel,
+                                                                  kABI-compatible with <k>
+        weak-updates/.system -> /lib/modules/<k>/weak-updates     (when the system has it)
         modules.dep, *.bin, …                                     written by depmod
 
 Symlinks, not copies: depmod and modprobe follow directory symlinks (measured: kmod 30), and a
@@ -46,16 +49,20 @@ from typing import BinaryIO, ClassVar
 
 from kvcd.host import kmsg
 from kvcd.host.paths import HostRoot
-from kvcd.host.run import CommandError, run
+from kvcd.host.run import CommandError, run, which
 
 log = logging.getLogger(__name__)
 
 # Top-level entries of the system module directory that are not mirrored (see module docstring).
-_NOT_MIRRORED = frozenset({"build", "source", "extra"})
+_NOT_MIRRORED = frozenset({"build", "source", "extra", "weak-updates"})
+# Inside kvcd's own weak-updates/: the link to the system's weak-updates/ (RHEL weak-modules'
+# links of the host's kmod packages). A leading dot: no instance can be called that.
+_SYSTEM_WEAK = ".system"
 # Files depmod reads from the kernel directory instead of generating them.
 _COPIED = ("modules.builtin", "modules.builtin.modinfo", "modules.order")
-# Where depmod looks for configuration by default (kmod 30); passed explicitly with -C.
-_SYSTEM_DEPMOD_DIRS = (
+# Where depmod looks for configuration by default (kmod 30); passed explicitly with -C (public:
+# the drift monitor's scratch depmod reads the same configuration).
+SYSTEM_DEPMOD_DIRS = (
     "/etc/depmod.d",
     "/run/depmod.d",
     "/usr/local/lib/depmod.d",
@@ -214,15 +221,18 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def prepare_kernel_tree(root: HostRoot, kernel: str) -> Path:
+def prepare_kernel_tree(root: HostRoot, kernel: str, *, system: Path | None = None) -> Path:
     """Create or refresh the module root's tree for `kernel`; return its directory.
 
     Idempotent: mirror links are created, retargeted or (when the system directory went away)
     removed, copied index inputs are rewritten only when they changed. ``extra/`` is created
     and never touched otherwise. Does not run depmod.
+
+    `system`: the kernel's module directory when it is not ``/lib/modules/<kernel>`` of the
+    running system, e.g. in a staged rpm-ostree deployment that has not booted yet.
     """
     _check_name("kernel version", kernel)
-    system = root.system_modules(kernel)
+    system = system if system is not None else root.system_modules(kernel)
     if not system.is_dir():
         raise KernelTreeMissing(kernel, system)
     with tree_lock(root):
@@ -252,6 +262,8 @@ def _mirror(system: Path, tree: Path) -> Path:
         ):
             os.unlink(entry.path)
 
+    _mirror_weak_updates(system, tree)
+
     for name in _COPIED:
         src, dst = system / name, tree / name
         if src.is_file():
@@ -260,6 +272,25 @@ def _mirror(system: Path, tree: Path) -> Path:
             with suppress(FileNotFoundError):
                 dst.unlink()
     return tree
+
+
+def _mirror_weak_updates(system: Path, tree: Path) -> None:
+    """``weak-updates/`` is a real directory in kvcd's tree (instances link into it); the system's
+    own weak-updates/, when there is one, is reachable as ``weak-updates/.system``, so depmod ranks
+    both the same. A mirror link left by an older kvcd is turned into the directory."""
+    weak = tree / WEAK_UPDATES
+    sys_weak = system / WEAK_UPDATES
+    if weak.is_symlink():
+        os.unlink(weak)
+    if not sys_weak.is_dir():
+        with suppress(FileNotFoundError):
+            (weak / _SYSTEM_WEAK).unlink()
+        return
+    weak.mkdir(exist_ok=True)
+    target = Path(os.path.abspath(sys_weak))
+    link = weak / _SYSTEM_WEAK
+    if not (link.is_symlink() and Path(os.readlink(link)) == target):
+        _replace_symlink(link, target)
 
 
 def _extra_link(root: HostRoot, kernel: str, instance: str) -> Path:
@@ -316,6 +347,107 @@ def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
             link.unlink()
             log.info("%s: kernel %s modules deactivated (were %s)", instance, kernel, previous)
     return previous
+
+
+# --- weak-updates ---------------------------------------------------------------------------
+#
+# RHEL's answer to "a module built for kernel A, kABI-compatible with kernel B": a symlink under
+# /lib/modules/B/weak-updates/ to A's file, ranked below everything else by depmod's search order
+# (dist.conf: "search updates extra built-in weak-updates"), so a module really built for B, or
+# B's own in-tree one, always wins. kvcd does the same in its module root, with one directory
+# link per instance, ``weak-updates/<instance> -> <store dir>``, switched atomically like extra/.
+# The caller proves compatibility first (kvcd.daemon.kabi); this room only links and unlinks.
+
+WEAK_UPDATES = "weak-updates"
+
+
+def _weak_link(root: HostRoot, kernel: str, instance: str) -> Path:
+    _check_name("kernel version", kernel)
+    _check_name("instance name", instance)
+    return root.kernel_dir(kernel) / WEAK_UPDATES / instance
+
+
+def weak_updates_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
+    """The store directory ``weak-updates/<instance>`` points at for `kernel`, or None."""
+    link = _weak_link(root, kernel, instance)
+    try:
+        return Path(os.readlink(link))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
+        raise
+
+
+def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Path | None:
+    """Make the modules in `store_dir` loadable on `kernel` through ``weak-updates/<instance>``.
+
+    Returns the previous target (None: there was none). The kernel tree must exist
+    (:func:`prepare_kernel_tree`); run :func:`depmod` afterwards. Nothing is checked here: the
+    caller has proven the modules kABI-compatible with `kernel`.
+    """
+    link = _weak_link(root, kernel, instance)
+    target = Path(os.path.abspath(store_dir))
+    if not target.is_dir():
+        raise StoreMissing(instance, kernel, target)
+    if not root.kernel_dir(kernel).is_dir():
+        raise KmodError(
+            f"cannot link weak-updates for {instance}: {root.kernel_dir(kernel)} does not exist "
+            f"(prepare the module tree for kernel {kernel} first)"
+        )
+    with tree_lock(root):
+        link.parent.mkdir(exist_ok=True)
+        previous = weak_updates_store(root, kernel, instance)
+        if previous != target:
+            _replace_symlink(link, target)
+            log.info(
+                "%s: kernel %s weak-updates from %s (was %s)", instance, kernel, target, previous
+            )
+    return previous
+
+
+def unlink_weak_updates(root: HostRoot, kernel: str, instance: str) -> Path | None:
+    """Remove ``weak-updates/<instance>`` for `kernel` (idempotent); return its old target."""
+    link = _weak_link(root, kernel, instance)
+    if not link.parent.is_dir():
+        return None
+    with tree_lock(root):
+        previous = weak_updates_store(root, kernel, instance)
+        if previous is not None:
+            link.unlink()
+            log.info("%s: kernel %s weak-updates removed (were %s)", instance, kernel, previous)
+    return previous
+
+
+def weak_modules_command() -> str | None:
+    """The host's `weak-modules` (RHEL's kmod package ships it in /usr/sbin), or None."""
+    return which("weak-modules")
+
+
+def weak_modules(modules: Sequence[Path], *, add: bool, initramfs: bool = False) -> None:
+    """RHEL's ``weak-modules --add-modules`` / ``--remove-modules`` for module files installed in
+    the system's own /lib/modules/<A>/ (the admin's "install into /lib/modules" mode): it links
+    them into every installed kernel whose symvers they match, and runs depmod itself.
+
+    The module paths go to its standard input, one per line, as rpm scriptlets pass them.
+    `initramfs`: let it rebuild the initramfs of the kernels it changes (off: kvcd loads its
+    modules after the root file system is up, and dracut takes a minute).
+    """
+    paths = [str(p) for p in modules]
+    if not paths:
+        return
+    for p in paths:
+        if "\n" in p:
+            raise ValueError(f"module path with a newline: {p!r}")
+    argv = ["weak-modules", "--add-modules" if add else "--remove-modules"]
+    if not initramfs:
+        argv.append("--no-initramfs")
+    try:
+        run(argv, input="".join(f"{p}\n" for p in paths))
+    except CommandError as exc:
+        verb = "add" if add else "remove"
+        raise KmodError(f"weak-modules could not {verb} {', '.join(paths)}: {exc}") from exc
 
 
 # --- depmod / modprobe / rmmod --------------------------------------------------------------
@@ -380,6 +512,8 @@ def _depmod_config(root: HostRoot) -> list[Path]:
         "# Written by kvcd: instance modules (extra/<instance>) win over the booted kernel's\n"
         "# own modules of the same name; then the system's updates/, then the rest.\n"
         "search extra updates built-in\n"
+        "# Modules of another kernel that are kABI-compatible with this one (RHEL's rank).\n"
+        "search weak-updates\n"
     )
     try:
         current = conf.read_text()
@@ -390,7 +524,7 @@ def _depmod_config(root: HostRoot) -> list[Path]:
         tmp = conf.with_name(f".{conf.name}.{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, conf)
-    system = [root(d) for d in _SYSTEM_DEPMOD_DIRS]
+    system = [root(d) for d in SYSTEM_DEPMOD_DIRS]
     return [conf, *(d for d in system if d.is_dir())]
 
 

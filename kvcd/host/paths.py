@@ -78,6 +78,14 @@ class HostRoot:
     def pid_file(self, instance: str) -> Path:
         return self.runtime / f"{instance}.pid"
 
+    def reload_request(self, instance: str) -> Path:
+        """`kvcd reload` writes a sequence number here before it signals the daemon."""
+        return self.runtime / f"{instance}.reload"
+
+    def reload_answer(self, instance: str) -> Path:
+        """The daemon's answer to the newest reload it handled: that number and the outcome."""
+        return self.runtime / f"{instance}.reloaded"
+
     # --- the running kernel ---
     @property
     def sys_module(self) -> Path:

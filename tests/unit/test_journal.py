@@ -400,7 +400,13 @@ def test_message_ids_are_stable_unique_uuids() -> None:
         "MSG_UNLOADED",
         "MSG_DEGRADED",
         "MSG_DRIFT",
+        "MSG_DRIFT_RESOLVED",
+        "MSG_DRIFT_FORCED",
+        "MSG_DRIFT_PERIODIC",
+        "MSG_MODULE_EXTERNAL",
         "MSG_NEXT_KERNEL_READY",
+        "MSG_NEXT_KERNEL_FAILED",
+        "MSG_NEXT_KERNEL_PREPARED",
     }
     for name, value in MESSAGE_IDS.items():
         assert getattr(journal, name) == value

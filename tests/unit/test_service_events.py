@@ -153,7 +153,7 @@ def test_first_verdict_decides_the_start(
     ext = Scripted([verdict])
     use(monkeypatch, ext)
     svc, n = service(host)
-    rec = svc.reconcile([Event("start")])
+    rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None
     assert loaded(host) == mods
     saved = Record.read(host, "e2e")
@@ -172,7 +172,7 @@ def test_working_amendment_withholds_ready_until_settled(
     ext = Scripted(amends=[Verdict(LOAD, state.WORKING, "waiting for links: eth9")])
     use(monkeypatch, ext)
     svc, n = service(host)
-    rec = svc.reconcile([Event("start")])
+    rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None and (rec.state, rec.reason) == (
         state.WORKING,
         "waiting for links: eth9",
@@ -215,7 +215,7 @@ def test_events_from_threads_wake_the_loop_and_batch(
     svc, n = service(host)
     assert svc.run() == 0
     start, batch = ext.seen
-    assert start == [Event("start")]
+    assert start == [Event("start", retry=True)]
     assert sorted(e.what for e in batch if e.source == "poster") == [
         "change 0",
         "change 1",
@@ -251,11 +251,11 @@ def test_reload_with_a_changed_config_rebuilds_the_extensions(
 
     monkeypatch.setattr(extensions, "build", build)
     svc, _ = service(host)
-    svc.reconcile([Event("start")])
-    svc.reconcile([Event("signal", "reload")])  # same config: same set
+    svc.reconcile([Event("start", retry=True)])
+    svc.reconcile([Event("signal", "reload", retry=True)])  # same config: same set
     assert len(built) == 1
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
-    svc.reconcile([Event("signal", "reload")])
+    svc.reconcile([Event("signal", "reload", retry=True)])
     assert len(built) == 2
     assert (built[0].stopped, built[1].started) == (1, 1)
     assert built[1].ctx is not None and built[1].ctx.cfg.version == "2.0"
@@ -274,7 +274,7 @@ def test_an_extension_that_fails_to_start_is_left_out(
     ok = Scripted()
     use(monkeypatch, Broken(), ok)
     svc, _ = service(host)
-    rec = svc.reconcile([Event("start")])
+    rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None and rec.state == state.DONE
     assert [e.name for e in svc.exts] == ["scripted"]
     svc.stop_extensions()
@@ -289,16 +289,18 @@ def test_a_permanent_failure_is_retried_on_reload_not_on_every_event(
 ) -> None:
     use(monkeypatch, Scripted())
     svc, _ = service(host)
-    assert svc.reconcile([Event("start")]) is not None
+    assert svc.reconcile([Event("start", retry=True)]) is not None
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
     (host.root / "fail-load").write_text("kvcd_user\n")
-    assert svc.reconcile([Event("signal", "reload")]) is None  # rolled back to 1.0, Degraded
+    assert (
+        svc.reconcile([Event("signal", "reload", retry=True)]) is None
+    )  # rolled back to 1.0, Degraded
     tried = len(modprobes(fake_commands))
     rec = svc.reconcile([Event("scripted", "timer"), Event("node", "annotation changed")])
     assert rec is not None and rec.state == state.DEGRADED
     assert len(modprobes(fake_commands)) == tried  # nothing re-applied
     (host.root / "fail-load").unlink()
-    rec = svc.reconcile([Event("signal", "reload")])
+    rec = svc.reconcile([Event("signal", "reload", retry=True)])
     assert rec is not None and rec.state == state.DONE and rec.version == "2.0"
     svc.stop_extensions()
 
@@ -332,3 +334,35 @@ def test_a_backoff_wait_leaves_events_queued_without_spinning(
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
+
+
+def test_reload_waits_for_the_answer_to_its_own_request(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reconcile that was already running for another event (it bumps the record to Done)
+    must not be taken for the reload; only the daemon's answer with this request's number is."""
+    from kvcd.daemon import control
+
+    host.runtime.mkdir(parents=True, exist_ok=True)
+    host.pid_file("e2e").write_text(f"{os.getpid()}\n")
+    control.answer_reload(host, "e2e", 0, Record("e2e", state.DONE, version="1.0"))
+
+    def daemon_side() -> None:
+        # First the unrelated reconcile ends Done (new generation), then the reload's own.
+        Record("e2e", state.DONE, version="1.0", generation=99).write(host)
+        seq = control.reload_requested(host, "e2e")
+        Record("e2e", state.DEGRADED, "LoadFailed: x", version="2.0", generation=100).write(host)
+        control.answer_reload(host, "e2e", seq, None)
+
+    def on_hup(_sig: int, _frame: Any) -> None:
+        threading.Timer(0.2, daemon_side).start()
+
+    old = signal.signal(signal.SIGHUP, on_hup)
+    try:
+        assert control.request_reload(host, "e2e", timeout=30, poll=0.05) == 1
+        assert "Degraded: LoadFailed: x" in capsys.readouterr().err
+        assert control.reload_requested(host, "e2e") == 1
+        assert control.request_reload(host, "e2e", timeout=30, poll=0.05) == 1
+        assert control.reload_requested(host, "e2e") == 2
+    finally:
+        signal.signal(signal.SIGHUP, old)

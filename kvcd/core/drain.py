@@ -1,0 +1,189 @@
+"""The drain handshake (the SR-IOV operator's parallel-drain protocol shape), as literal tables.
+
+When a change needs a module unloaded and it is in use, kvcd asks the cluster to drain the node:
+each instance that needs it claims `<p>/<instance>.drain` (value: `Drain_Required` or
+`Reboot_Required`, the boot id and the time of the request), and the node-wide `<p>/drain` is
+the strongest claim of all instances (Reboot_Required > Drain_Required > Idle): one request per
+node, shared. The cluster's drain controller answers in `<p>/drain-current`
+(Idle | Draining | DrainComplete). On DrainComplete kvcd applies its change and withdraws its
+claim; the last claim withdrawn writes `<p>/drain = Idle`. No answer within the timeout ->
+Degraded (DrainTimeout) and the claim is withdrawn, so a node is never left cordoned for kvcd.
+
+Everything is re-derived from the node's annotations and the host on every reconcile: a restart
+in the middle of the handshake continues where it was (rows marked "restart" in the tests).
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Node-wide values (contract).
+IDLE = "Idle"
+DRAIN_REQUIRED = "Drain_Required"
+REBOOT_REQUIRED = "Reboot_Required"
+DRAINING = "Draining"
+DRAIN_COMPLETE = "DrainComplete"
+
+# Reason codes.
+DRAIN_PENDING = "DrainRequired"
+DRAIN_TIMEOUT = "DrainTimeout"
+REBOOT_PENDING = "RebootRequired"
+STILL_IN_USE = "ModuleInUse"
+
+# before(): what to do with the coming reconcile.
+PROCEED = "proceed"
+WAIT = "wait"
+TIMEOUT = "timeout"
+
+# after(): what the reconcile's outcome means for the handshake.
+BLOCKED = "blocked"  # the planner refused: modules in use (ModuleInUse)
+UNLOADABLE = "unloadable"  # an unload was attempted and failed (UnloadFailed)
+APPLIED = "applied"  # the change went through (Done)
+FAILED = "failed"  # any other failure (Degraded for another reason)
+
+REQUEST_DRAIN = "request-drain"
+REQUEST_REBOOT = "request-reboot"
+RELEASE = "release"
+KEEP = "keep"
+NOTHING = "nothing"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One instance's request, as stored in its `<p>/<stem>.drain` annotation."""
+
+    kind: str  # DRAIN_REQUIRED | REBOOT_REQUIRED
+    boot_id: str
+    since: float
+
+    def encode(self) -> str:
+        return f"{self.kind} boot={self.boot_id} since={self.since:.0f}"
+
+    @classmethod
+    def decode(cls, text: str | None) -> Claim | None:
+        """None for a missing or unreadable claim (an unreadable one is treated as absent)."""
+        if not text:
+            return None
+        parts = text.split()
+        if not parts or parts[0] not in (DRAIN_REQUIRED, REBOOT_REQUIRED):
+            return None
+        fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+        try:
+            since = float(fields.get("since", "0"))
+        except ValueError:
+            return None
+        return cls(parts[0], fields.get("boot", ""), since)
+
+
+# before(claimed, current, expired) -> action. A claim from an earlier boot is stale (the reboot
+# it asked for, or some other, has happened): the daemon withdraws it and proceeds.
+BEFORE: dict[tuple[bool, str, bool], str] = {
+    (False, IDLE, False): PROCEED,
+    (False, DRAINING, False): PROCEED,
+    (False, DRAIN_COMPLETE, False): PROCEED,
+    (True, IDLE, False): WAIT,
+    (True, DRAINING, False): WAIT,
+    (True, DRAIN_COMPLETE, False): PROCEED,
+    (True, IDLE, True): TIMEOUT,
+    (True, DRAINING, True): TIMEOUT,
+    (True, DRAIN_COMPLETE, True): PROCEED,  # the answer came; late is better than never
+}
+
+# after(claim kind or "", current, outcome) -> (action, state, reason code). "" state = keep the
+# record's own state and reason.
+AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
+    # No claim yet: a blocked change asks for a drain; an unload that failed asks for a reboot.
+    ("", IDLE, BLOCKED): (REQUEST_DRAIN, "Working", DRAIN_PENDING),
+    ("", DRAINING, BLOCKED): (REQUEST_DRAIN, "Working", DRAIN_PENDING),
+    ("", DRAIN_COMPLETE, BLOCKED): (REQUEST_DRAIN, "Working", DRAIN_PENDING),
+    ("", IDLE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    ("", DRAINING, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    ("", DRAIN_COMPLETE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    ("", IDLE, APPLIED): (NOTHING, "", ""),
+    ("", DRAINING, APPLIED): (NOTHING, "", ""),
+    ("", DRAIN_COMPLETE, APPLIED): (NOTHING, "", ""),
+    ("", IDLE, FAILED): (NOTHING, "", ""),
+    ("", DRAINING, FAILED): (NOTHING, "", ""),
+    ("", DRAIN_COMPLETE, FAILED): (NOTHING, "", ""),
+    # Drain claimed: applied -> withdraw (write Idle when last); still blocked after the drain
+    # completed -> Degraded (held by something no drain removes) and withdraw.
+    (DRAIN_REQUIRED, IDLE, BLOCKED): (KEEP, "Working", DRAIN_PENDING),
+    (DRAIN_REQUIRED, DRAINING, BLOCKED): (KEEP, "Working", DRAIN_PENDING),
+    (DRAIN_REQUIRED, DRAIN_COMPLETE, BLOCKED): (RELEASE, "Degraded", STILL_IN_USE),
+    (DRAIN_REQUIRED, IDLE, APPLIED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, DRAINING, APPLIED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, DRAIN_COMPLETE, APPLIED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, IDLE, FAILED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, DRAINING, FAILED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, DRAIN_COMPLETE, FAILED): (RELEASE, "", ""),
+    (DRAIN_REQUIRED, IDLE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    (DRAIN_REQUIRED, DRAINING, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    (DRAIN_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
+    # Reboot claimed: only a reboot (a new boot id, handled in before()) clears it.
+    (REBOOT_REQUIRED, IDLE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAINING, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, IDLE, BLOCKED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAINING, BLOCKED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, BLOCKED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, IDLE, APPLIED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAINING, APPLIED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, APPLIED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, IDLE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAINING, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
+}
+
+
+def current_value(text: str | None) -> str:
+    """The controller's answer; anything unknown counts as Idle (not yet answered)."""
+    return text if text in (DRAINING, DRAIN_COMPLETE) else IDLE
+
+
+def before(claim: Claim | None, current: str, now: float, timeout: float, boot_id: str) -> str:
+    """PROCEED | WAIT | TIMEOUT for the coming reconcile. A claim from another boot is stale."""
+    if claim is not None and claim.boot_id and boot_id and claim.boot_id != boot_id:
+        return PROCEED  # the caller withdraws it (see stale())
+    claimed = claim is not None
+    expired = claimed and claim is not None and now - claim.since > timeout
+    return BEFORE[(claimed, current_value(current), expired)]
+
+
+def stale(claim: Claim | None, boot_id: str) -> bool:
+    return claim is not None and bool(claim.boot_id) and bool(boot_id) and claim.boot_id != boot_id
+
+
+def after(claim: Claim | None, current: str, outcome: str) -> tuple[str, str, str]:
+    return AFTER[(claim.kind if claim else "", current_value(current), outcome)]
+
+
+def outcome_of(state: str, reason: str) -> str | None:
+    """Classify a record: the planner's ModuleInUse block, a failed unload, done, other failure;
+    None for Working (nothing was decided: a hold, or still waiting)."""
+    code = reason.split(":", 1)[0].strip()
+    if state == "Done":
+        return APPLIED
+    if state == "Working":
+        return None
+    if code == "ModuleInUse":
+        return BLOCKED
+    if code == "UnloadFailed":
+        return UNLOADABLE
+    return FAILED
+
+
+def node_value(annotations: Mapping[str, str], prefix: str, suffix: str = ".drain") -> str:
+    """The node-wide request: the strongest claim of all instances on the node."""
+    kinds = set()
+    for key, value in annotations.items():
+        if key.startswith(prefix + "/") and key.endswith(suffix):
+            claim = Claim.decode(value)
+            if claim is not None:
+                kinds.add(claim.kind)
+    if REBOOT_REQUIRED in kinds:
+        return REBOOT_REQUIRED
+    if DRAIN_REQUIRED in kinds:
+        return DRAIN_REQUIRED
+    return IDLE

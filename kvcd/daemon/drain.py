@@ -1,0 +1,244 @@
+"""Drain extension: what happens when a change needs a module unloaded and it is in use.
+
+`drain = "none"` (standalone default): the planner already refuses to unload a held module
+(ModuleInUse); this extension names the holders in the reason, status and journal: modules that
+use it (refcnt, holders) and processes with its device nodes open (psutil).
+
+`drain = "cluster"`: the SR-IOV-shaped handshake of kvcd.core.drain. A blocked change claims a
+node drain (`<p>/<stem>.drain`, node-wide `<p>/drain` = Drain_Required, or Reboot_Required when
+an unload failed outright) and holds Working until the drain controller answers
+`<p>/drain-current = DrainComplete`; then the change is applied and the claim withdrawn (the last
+claim withdrawn writes `<p>/drain = Idle`). No answer within `drain_timeout` -> Degraded
+(DrainTimeout) and the claim is withdrawn. All of it is re-derived from the node on every
+reconcile, so a restart in the middle continues the handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvcd.core import drain as hs
+from kvcd.core.state import reason_text
+from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
+from kvcd.daemon.record import boot_id
+from kvcd.daemon.report import NodeLink
+from kvcd.host import journal
+from kvcd.node import keys as nodekeys
+from kvcd.node.backend import NodeView
+
+if TYPE_CHECKING:
+    from kvcd.daemon.record import Record
+
+log = logging.getLogger(__name__)
+
+_CODES = (hs.DRAIN_PENDING, hs.DRAIN_TIMEOUT, hs.REBOOT_PENDING)
+
+
+def mode(ctx: Context) -> str:
+    return ctx.cfg.drain or ctx.settings.drain
+
+
+def holders_text(ctx: Context, modules: list[str]) -> str:
+    from kvcd.host import procs
+
+    try:
+        return procs.describe_holders(ctx.root, modules)
+    except Exception as exc:  # holders are a diagnosis: never let them break the report
+        log.debug("cannot list holders: %s", exc, extra=ctx.fields)
+        return ""
+
+
+def _with_holders(reason: str, holders: str) -> str:
+    base = reason.split("; holders: ", 1)[0]
+    return base + (f"; holders: {holders}" if holders else "")
+
+
+class Drain(Extension):
+    name = "drain"
+
+    def __init__(self, link: NodeLink, *, clock: Callable[[], float] = time.time) -> None:
+        self.link = link
+        self.clock = clock
+        self._timer: threading.Timer | None = None
+        self._seen: str | None = None
+        self._lock = threading.Lock()
+        self._started = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self, ctx: Context) -> None:
+        if mode(ctx) != "cluster":
+            return
+        current_key = nodekeys.drain_current_key(ctx.settings.annotation_prefix)
+
+        def changed(view: NodeView) -> None:  # watch thread: compare and post only
+            value = view.annotations.get(current_key, "")
+            with self._lock:
+                if value == self._seen:
+                    return
+                self._seen = value
+            # The drain controller's answer may free the module a failed change waited for.
+            ctx.post(Event(self.name, f"{current_key}={value}", retry=True))
+
+        self.link.start(ctx, changed)
+        self._started = True
+        view = self.link.writer.read() if self.link.writer is not None else None
+        if view is not None:
+            with self._lock:
+                if self._seen is None:
+                    self._seen = view.annotations.get(current_key, "")
+
+    def stop(self) -> None:
+        self._cancel()
+        if self._started:
+            self._started = False
+            self.link.stop()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, ctx: Context, claim: hs.Claim) -> None:
+        """A timer event when the claim expires (the watch brings DrainComplete earlier)."""
+        self._cancel()
+        delay = max(0.0, claim.since + ctx.settings.drain_timeout - self.clock()) + 1.0
+        self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "timeout", retry=True),))
+        self._timer.daemon = True
+        self._timer.start()
+
+    # --- the handshake -----------------------------------------------------------------------
+    def _read(self, ctx: Context) -> tuple[hs.Claim | None, str] | None:
+        writer = self.link.writer
+        view = writer.read() if writer is not None else None
+        if view is None:
+            return None
+        keys = self.link.keys(ctx)
+        claim = hs.Claim.decode(view.annotations.get(keys.drain_request))
+        current = view.annotations.get(nodekeys.drain_current_key(self.link.prefix), "")
+        return claim, current
+
+    def _set_claim(self, ctx: Context, claim: hs.Claim | None) -> bool:
+        """Write (or withdraw) our claim and the node-wide request in one atomic update."""
+        writer = self.link.writer
+        if writer is None:
+            return False
+        own = self.link.keys(ctx).drain_request
+        node_key = nodekeys.drain_key(self.link.prefix)
+        value = claim.encode() if claim else None
+
+        def change(view: NodeView) -> dict[str, str | None]:
+            after = {k: v for k, v in view.annotations.items() if k != own}
+            if value is not None:
+                after[own] = value
+            return {own: value, node_key: hs.node_value(after, self.link.prefix)}
+
+        return writer.update(change)
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        if mode(ctx) != "cluster":
+            return None
+        seen = self._read(ctx)
+        if seen is None:
+            return None  # node unreachable: the planner still refuses to unload held modules
+        claim, current = seen
+        boot = boot_id(ctx.root) or ""
+        if hs.stale(claim, boot):
+            log.info("drain claim from an earlier boot withdrawn", extra=ctx.fields)
+            self._set_claim(ctx, None)
+            return None
+        step = hs.before(claim, current, self.clock(), ctx.settings.drain_timeout, boot)
+        if step == hs.PROCEED or claim is None:
+            return None
+        if step == hs.WAIT:
+            self._arm(ctx, claim)
+            return Verdict(
+                HOLD,
+                "Working",
+                f"{hs.DRAIN_PENDING}: {claim.kind} requested; waiting for "
+                f"{nodekeys.drain_current_key(self.link.prefix)}={hs.DRAIN_COMPLETE} "
+                f"(now {hs.current_value(current)})",
+            )
+        return Verdict(
+            HOLD,
+            "Degraded",
+            f"{hs.DRAIN_TIMEOUT}: no {hs.DRAIN_COMPLETE} within "
+            f"{ctx.settings.drain_timeout:.0f}s of the {claim.kind} request",
+        )
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        outcome = hs.outcome_of(record.state, record.reason)
+        if mode(ctx) != "cluster":
+            return self._report_holders(ctx, record, outcome)
+        if outcome is None:
+            return None
+        seen = self._read(ctx)
+        if seen is None:
+            return self._report_holders(ctx, record, outcome)
+        claim, current = seen
+        action, new_state, code = hs.after(claim, current, outcome)
+        holders = (
+            holders_text(ctx, record.modules) if outcome in (hs.BLOCKED, hs.UNLOADABLE) else ""
+        )
+        fields = {**ctx.fields, "KVCD_DRAIN": action}
+        if action in (hs.REQUEST_DRAIN, hs.REQUEST_REBOOT):
+            kind = hs.DRAIN_REQUIRED if action == hs.REQUEST_DRAIN else hs.REBOOT_REQUIRED
+            new = hs.Claim(kind, boot_id(ctx.root) or "", self.clock())
+            if not self._set_claim(ctx, new):
+                return Verdict(
+                    HOLD,
+                    "Degraded",
+                    _with_holders(record.reason, holders)
+                    + "; cannot request a node drain: the node is unreachable (retrying)",
+                )
+            log.warning(
+                "%s: %s",
+                kind,
+                record.reason,
+                extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
+                if kind == hs.REBOOT_REQUIRED
+                else fields,
+            )
+            if kind == hs.DRAIN_REQUIRED:
+                self._arm(ctx, new)
+            why = record.reason.split(":", 1)[-1].strip()
+            return Verdict(
+                HOLD,
+                new_state,
+                reason_text(code, f"{kind} requested: " + _with_holders(why, holders)),
+            )
+        if action == hs.RELEASE:
+            self._cancel()
+            self._set_claim(ctx, None)
+            log.info("drain claim withdrawn (%s)", outcome, extra=fields)
+        if not new_state:
+            return None
+        if code == hs.STILL_IN_USE:
+            detail = (
+                "still in use after the drain completed: " + record.reason.split(":", 1)[-1].strip()
+            )
+            return Verdict(HOLD, new_state, reason_text(code, _with_holders(detail, holders)))
+        if record.reason.startswith(code):
+            return None
+        return Verdict(HOLD, new_state, reason_text(code, record.reason))
+
+    def _report_holders(self, ctx: Context, record: Record, outcome: str | None) -> Verdict | None:
+        """drain = none: name who holds the modules (reason, status, journal)."""
+        if outcome not in (hs.BLOCKED, hs.UNLOADABLE):
+            return None
+        holders = holders_text(ctx, record.modules)
+        if not holders:
+            return None
+        reason = reason_text(*_split(_with_holders(record.reason, holders)))
+        if reason == record.reason:
+            return None
+        log.warning("modules in use: %s", holders, extra={**ctx.fields, "KVCD_HOLDERS": holders})
+        return Verdict(HOLD, record.state, reason)
+
+
+def _split(reason: str) -> tuple[str, str]:
+    code, _, detail = reason.partition(": ")
+    return code, detail

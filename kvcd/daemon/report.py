@@ -1,0 +1,254 @@
+"""Reporting to the node: the shared node link of one `kvcd run` process, and the Reporter.
+
+`NodeLink` is the process's one connection to its node object (DESIGN.md: one serialized writer
+per node object per process): the backend (file or kubernetes), its `NodeWriter`, and its watch,
+whose views it fans out to the extensions that listen (ordered upgrade, drain). The watch thread
+only forwards; every decision happens on the main thread in verdict/after.
+
+`Reporter` is the extension whose after-hook runs last and publishes the instance's record as
+node annotations (`<p>/<stem>.state|reason|version|kernel|next-kernel|boot-id`, plus keys other
+extensions queue in `link.extra`, e.g. `.ready`), and a node Event on each state change. When
+the node cannot be reached it keeps everything as it is and retries on a timer: an instance never
+unloads because it cannot report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvcd.config.model import Settings
+from kvcd.core.state import DEGRADED, DONE
+from kvcd.daemon.events import Context, Event, Extension, Verdict
+from kvcd.host.paths import HostRoot
+from kvcd.node.backend import (
+    Backend,
+    NodeView,
+    NodeWriter,
+    Unavailable,
+    node_name,
+    open_backend,
+)
+from kvcd.node.keys import Keys
+
+if TYPE_CHECKING:
+    from kvcd.daemon.record import Record
+
+log = logging.getLogger(__name__)
+
+RETRY_FIRST = 2.0
+RETRY_CAP = 60.0
+
+
+class NodeLink:
+    """Shared by the extensions of one process; started by the first, stopped by the last."""
+
+    def __init__(self, settings: Settings, opener: Callable[[Context], Backend] | None = None):
+        self.settings = settings
+        self.prefix = settings.annotation_prefix
+        self._opener = opener
+        self.backend: Backend | None = None
+        self.writer: NodeWriter | None = None
+        self._users = 0
+        self._listeners: list[Callable[[NodeView], None]] = []
+        self._lock = threading.Lock()
+        # Keys other extensions want published with the next report (None removes the key).
+        self.extra: dict[str, str | None] = {}
+
+    def keys(self, ctx: Context) -> Keys:
+        return Keys(self.prefix, ctx.name)
+
+    def start(self, ctx: Context, listener: Callable[[NodeView], None] | None = None) -> None:
+        with self._lock:
+            if listener is not None:
+                self._listeners.append(listener)
+            self._users += 1
+            if self.backend is not None:
+                return
+            opener = self._opener or (lambda c: open_backend(c.root, c.settings, os.environ))
+            self.backend = opener(ctx)
+            self.writer = NodeWriter(self.backend)
+        try:
+            self.backend.watch(self._changed)
+        except Exception as exc:  # a watch that cannot start: reconciles still read fresh
+            log.warning("node watch did not start: %s", exc, extra=ctx.fields)
+
+    def _changed(self, view: NodeView) -> None:
+        if self.writer is not None:
+            self.writer.seen(view)
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(view)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self.backend is None:
+                return
+            backend, self.backend, self.writer = self.backend, None, None
+            self._listeners.clear()
+        backend.stop()
+
+
+def node_patch(keys: Keys, record: Record) -> dict[str, str | None]:
+    """The instance's annotations for `record` (None removes a key that no longer applies)."""
+    patch: dict[str, str | None] = {
+        keys.state: record.state,
+        keys.reason: record.reason or None,
+        keys.of("version"): record.version or None,
+        keys.of("kernel"): record.kernel or None,
+        keys.of("boot-id"): record.boot_id or None,
+    }
+    nk: str | None = None
+    if record.next_kernel and record.next_kernel_state == "ready":
+        nk = f"{record.next_kernel} ready"
+    elif record.next_kernel and record.next_kernel_state == "failed":
+        nk = f"{record.next_kernel} failed: {record.next_kernel_reason}".rstrip(": ")
+    elif record.next_kernel and record.next_kernel_state:
+        nk = f"{record.next_kernel} {record.next_kernel_state}"
+    patch[keys.of("next-kernel")] = nk
+    return patch
+
+
+def event_reason(record: Record) -> str:
+    """A node Event's reason: the record's reason code, else its state (stable vocabulary)."""
+    code = record.reason.split(":", 1)[0].strip() if record.reason else ""
+    if code and code.isalnum():
+        return code
+    if record.state == DONE:
+        return "ModulesUnloaded" if record.goal == "unloaded" else "ModulesLoaded"
+    return record.state
+
+
+class Reporter(Extension):
+    """Publishes the record to the node after each reconcile. Register it LAST."""
+
+    name = "node-report"
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link = link
+        self._ctx: Context | None = None
+        self._published: tuple[str, str] | None = None
+        self._timer: threading.Timer | None = None
+        self._attempt = 0
+
+    def start(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self.link.start(ctx)
+
+    def stop(self) -> None:
+        self._cancel()
+        self.link.stop()
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _retry_later(self, ctx: Context) -> None:
+        if self._timer is not None and self._timer.is_alive():
+            return
+        delay = min(RETRY_CAP, RETRY_FIRST * 2.0**self._attempt)
+        self._attempt += 1
+        self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "retry"),))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        writer = self.link.writer
+        if writer is None:
+            return None
+        keys = self.link.keys(ctx)
+        patch = node_patch(keys, record)
+        patch.update(self.link.extra)
+        if not writer.write(patch):
+            self._retry_later(ctx)
+            return None
+        self._attempt = 0
+        self._cancel()
+        now = (record.state, record.reason)
+        if now != self._published and self.link.backend is not None:
+            try:
+                self.link.backend.event(
+                    event_reason(record),
+                    f"{ctx.name}: {record.state}" + (f": {record.reason}" if record.reason else ""),
+                    warning=record.state == DEGRADED,
+                )
+            except Unavailable as exc:
+                log.debug("node event not posted: %s", exc, extra=ctx.fields)
+        self._published = now
+        return None
+
+
+# --- `kvcd label` / `kvcd annotate`: the admin's side of the file backend ----------------------
+
+
+def parse_edits(edits: list[str]) -> dict[str, str | None]:
+    """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one."""
+    from kvcd.config.loader import qualified_name
+
+    out: dict[str, str | None] = {}
+    for edit in edits:
+        if "=" in edit:
+            key, value = edit.split("=", 1)
+        elif edit.endswith("-"):
+            key, value = edit[:-1], None
+        else:
+            raise ValueError(f"{edit!r}: expected KEY=VALUE or KEY-")
+        try:
+            qualified_name(key, "key")
+        except Exception as exc:
+            raise ValueError(f"{edit!r}: {exc}") from None
+        if value is not None and ("\n" in value or "\0" in value or len(value) > 1024):
+            raise ValueError(f"{edit!r}: the value must be one line of at most 1024 characters")
+        out[key] = value
+    return out
+
+
+def edit_node_command(root: HostRoot, verb: str, edits: list[str]) -> int:
+    """`kvcd label|annotate [KEY=VALUE|KEY- ...]`: edit (or list) the node file. Exit 0/1/2."""
+    import sys
+
+    from kvcd.config.loader import load_settings
+    from kvcd.config.model import ConfigError
+    from kvcd.node.filebackend import FileBackend
+
+    try:
+        settings = load_settings(root)
+    except ConfigError as exc:
+        print(f"kvcd: {exc}", file=sys.stderr)
+        return 2
+    part = "labels" if verb == "label" else "annotations"
+    if settings.node_backend != "file":
+        print(
+            f"kvcd: node_backend is {settings.node_backend!r}: edit the node's {part} with "
+            f"kubectl {verb} node <name> …",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        patch = parse_edits(edits)
+    except ValueError as exc:
+        print(f"kvcd {verb}: {exc}", file=sys.stderr)
+        return 2
+    backend = FileBackend(root, node_name(settings, os.environ, socket.gethostname()))
+    try:
+        if not patch:
+            view = backend.read()
+        elif verb == "label":
+            view = backend.edit(labels=lambda _v: patch)
+        else:
+            view = backend.edit(annotations=lambda _v: patch)
+    except Unavailable as exc:
+        print(f"kvcd {verb}: {exc}", file=sys.stderr)
+        return 1
+    if not patch:
+        shown = view.labels if verb == "label" else view.annotations
+        for key in sorted(shown):
+            print(f"{key}={shown[key]}")
+    return 0

@@ -1,0 +1,93 @@
+"""Ordered upgrade extension (KMM protocol): the node label decides what may be loaded.
+
+Watches the node through the shared NodeLink; a change of the instance's label posts an event.
+`verdict()` reads the label fresh (or, when the node is unreachable, the last label seen) and
+the loaded version from /sys/module and the module root, and returns LOAD / UNLOAD / HOLD per
+the literal table in kvcd.core.upgrade. Never seen the label and cannot read it -> HOLD (keep
+the modules as they are). `after()` queues `<p>/<stem>.ready` = the loaded version (removed when
+not loaded) for the Reporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from kvcd.core import upgrade as table
+from kvcd.core.state import DONE
+from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
+from kvcd.daemon.observe import desired_for, observe
+from kvcd.daemon.report import NodeLink
+from kvcd.node.backend import NodeView
+from kvcd.node.keys import Keys
+
+if TYPE_CHECKING:
+    from kvcd.daemon.record import Record
+
+log = logging.getLogger(__name__)
+
+_VERBS = {table.LOAD: LOAD, table.UNLOAD: UNLOAD, table.HOLD: HOLD}
+
+
+def label_key(ctx: Context) -> str:
+    return ctx.cfg.upgrade_label or Keys(ctx.settings.annotation_prefix, ctx.name).version_label
+
+
+class OrderedUpgrade(Extension):
+    name = "ordered-upgrade"
+
+    def __init__(self, link: NodeLink) -> None:
+        self.link = link
+        self._seen: str | None = None
+        self._lock = threading.Lock()
+        self._key = ""
+
+    def start(self, ctx: Context) -> None:
+        self._key = label_key(ctx)
+
+        def changed(view: NodeView) -> None:  # watch thread: compare and post, nothing else
+            value = view.labels.get(self._key, "")
+            with self._lock:
+                if value == self._seen:
+                    return
+                self._seen = value
+            ctx.post(Event(self.name, f"{self._key}={value}" if value else f"{self._key} removed"))
+
+        self.link.start(ctx, changed)
+        # Seed what the watch compares with, so its first view is not news.
+        view = self.link.writer.read() if self.link.writer is not None else None
+        if view is not None:
+            with self._lock:
+                if self._seen is None:
+                    self._seen = view.labels.get(self._key, "")
+
+    def stop(self) -> None:
+        self.link.stop()
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        key = label_key(ctx)
+        writer = self.link.writer
+        view = writer.read() if writer is not None else None
+        if view is None:
+            detail = writer.failing if writer is not None and writer.failing else "no node"
+            d = table.unreachable(key, detail)
+            return Verdict(HOLD, d.state, d.reason)
+        label = view.labels.get(key)
+        with self._lock:
+            self._seen = label or ""
+        desired = desired_for(ctx.cfg, ctx.kernel)
+        observed = observe(ctx.root, desired)
+        loaded = bool(observed.loaded)
+        d = table.decide(label, ctx.cfg.version, loaded, observed.active if loaded else None, key)
+        if d.verb != table.LOAD:
+            log.info("ordered upgrade: %s", d.reason, extra={**ctx.fields, "KVCD_LABEL": key})
+        return Verdict(_VERBS[d.verb], d.state, d.reason)
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        keys = self.link.keys(ctx)
+        # Done + loaded: verified loaded now (or kept loaded by an UpgradePending hold, whose
+        # record keeps the version that is loaded).
+        loaded = record.state == DONE and record.goal == "loaded"
+        self.link.extra[keys.ready] = record.version if loaded else None
+        return None

@@ -1,0 +1,188 @@
+"""The node backend interface: read the node, update only kvcd's own keys, watch, post events.
+
+Two implementations: `filebackend.FileBackend` (the standalone default, /var/lib/kvcd/node.json)
+and `kube.KubeBackend` (the Kubernetes API through the official client, imported lazily).
+`NodeWriter` is the one serialized writer per node object per process that the daemon uses.
+
+Rules every backend keeps (DESIGN.md "reporter"): only kvcd's own annotation keys are written
+(a merge of those keys, never the whole object); a write that changes nothing is skipped; every
+write re-reads first (so Working never overwrites a Degraded written by someone else unseen);
+reasons are bounded. A backend that cannot reach its store raises `Unavailable` (transient): the
+daemon keeps its modules and retries, it never unloads because it cannot report.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvcd.config.model import Settings
+from kvcd.host.paths import HostRoot
+
+log = logging.getLogger(__name__)
+
+# Annotation values stay readable; the journal keeps the whole story.
+MAX_VALUE = 1024
+
+Patch = Mapping[str, "str | None"]  # key -> new value; None removes the key
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One read of the node: its labels and annotations, and the store's version of it."""
+
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    version: str = ""  # resourceVersion (kubernetes) or a write counter (file)
+
+
+class Unavailable(Exception):
+    """The node store cannot be reached now (transient): keep everything, retry later."""
+
+
+class Backend(ABC):
+    """One node object. `update` is the only write; it is atomic with respect to other writers."""
+
+    kind = "backend"
+
+    @abstractmethod
+    def read(self) -> NodeView: ...
+
+    @abstractmethod
+    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
+        """Read the node fresh, compute the annotation patch from it, write it if it changes
+        anything, atomically (retrying on a concurrent write); return the node as written."""
+
+    def watch(self, on_change: Callable[[NodeView], None]) -> None:  # noqa: B027
+        """Start noticing changes (labels or annotations) in a thread; call `on_change`."""
+
+    def stop(self) -> None:  # noqa: B027
+        """Stop the watch."""
+
+    def event(self, reason: str, message: str, *, warning: bool = False) -> None:  # noqa: B027
+        """Record an event about the node (Kubernetes Events); best effort."""
+
+
+def bounded(value: str) -> str:
+    return value if len(value) <= MAX_VALUE else value[: MAX_VALUE - 1] + "…"
+
+
+def apply_patch(current: Mapping[str, str], patch: Patch) -> dict[str, str]:
+    out = dict(current)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = bounded(value)
+    return out
+
+
+def changes(current: Mapping[str, str], patch: Patch) -> dict[str, str | None]:
+    """The part of `patch` that changes `current` (empty: skip the write)."""
+    out: dict[str, str | None] = {}
+    for key, raw in patch.items():
+        value = None if raw is None else bounded(raw)
+        if current.get(key) != value:
+            out[key] = value
+    return out
+
+
+class NodeWriter:
+    """The process's single writer for its node: serializes writes, skips no-ops, keeps the last
+    view it saw (from its own writes or the watch), and turns `Unavailable` into "retry later"."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._lock = threading.Lock()
+        self._last: NodeView | None = None
+        self._written: dict[str, str | None] = {}
+        self.failing: str | None = None  # the last Unavailable message, None when healthy
+
+    @property
+    def last(self) -> NodeView | None:
+        with self._lock:
+            return self._last
+
+    def seen(self, view: NodeView) -> None:
+        """A fresh view from the watch thread."""
+        with self._lock:
+            self._last = view
+
+    def read(self) -> NodeView | None:
+        """A fresh read, or the last view when the store is unreachable (None if never read)."""
+        try:
+            view = self.backend.read()
+        except Unavailable as exc:
+            self._failed(exc)
+            return self.last
+        with self._lock:
+            self._last = view
+            self.failing = None
+        return view
+
+    def write(self, patch: Patch) -> bool:
+        """Merge `patch` into our keys. Skips without I/O when we wrote exactly this before and
+        the store has been reachable since. Returns False when the store was unreachable (the
+        caller retries later)."""
+        wanted = {k: (None if v is None else bounded(v)) for k, v in patch.items()}
+        with self._lock:
+            if self.failing is None and all(
+                k in self._written and self._written[k] == v for k, v in wanted.items()
+            ):
+                return True
+        if not self.update(lambda _view: wanted):
+            return False
+        with self._lock:
+            self._written.update(wanted)
+        return True
+
+    def update(self, change: Callable[[NodeView], Patch]) -> bool:
+        """Read-compute-write through the backend (see Backend.update); False if unreachable."""
+        with self._lock:
+            try:
+                view = self.backend.update(change)
+            except Unavailable as exc:
+                self._failed_locked(exc)
+                return False
+            self._last = view
+            self.failing = None
+            return True
+
+    def forget(self) -> None:
+        """Drop the no-op cache (someone else may have written our keys): next write re-reads."""
+        with self._lock:
+            self._written.clear()
+
+    def _failed(self, exc: Unavailable) -> None:
+        with self._lock:
+            self._failed_locked(exc)
+
+    def _failed_locked(self, exc: Unavailable) -> None:
+        if self.failing is None:
+            log.warning(
+                "node %s unavailable: %s; keeping modules, will retry", self.backend.kind, exc
+            )
+        self.failing = str(exc)
+
+
+def node_name(settings: Settings, environ: Mapping[str, str], hostname: str) -> str:
+    """Config, then $NODE_NAME, then the hostname (Kubernetes' own default node name)."""
+    return settings.node_name or environ.get("NODE_NAME", "") or hostname.lower()
+
+
+def open_backend(root: HostRoot, settings: Settings, environ: Mapping[str, str]) -> Backend:
+    """The configured backend. The kubernetes client is imported only when it is chosen."""
+    import socket
+
+    name = node_name(settings, environ, socket.gethostname())
+    if settings.node_backend == "kubernetes":
+        from kvcd.node.kube import KubeBackend
+
+        return KubeBackend(name, kubeconfig=settings.kubeconfig or None)
+    from kvcd.node.filebackend import FileBackend
+
+    return FileBackend(root, name)

@@ -1,0 +1,146 @@
+"""The file node backend: /var/lib/kvcd/node.json, the standalone default.
+
+{"labels": {...}, "annotations": {...}, "generation": N}. Every `kvcd@` process on the node (and
+`kvcd label` / `kvcd annotate`) reads and writes it under one flock on a separate lock file
+(node.json.lock; the JSON file itself is replaced atomically, so a lock on its inode would be
+lost with the rename), so read-modify-write cycles never lose each other's keys. Readers that do
+not lock still see a whole file (tmp + fsync + rename). Changes are noticed by inotify on the
+directory (watchdog), filtered to node.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvcd.host import files
+from kvcd.host.paths import HostRoot
+from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, apply_patch, changes
+
+log = logging.getLogger(__name__)
+
+
+def node_file(root: HostRoot) -> Path:
+    return root.state / "node.json"
+
+
+class FileBackend(Backend):
+    kind = "file"
+
+    def __init__(self, root: HostRoot, name: str) -> None:
+        self.root = root
+        self.name = name
+        self.path = node_file(root)
+        self.lock = self.path.with_name(self.path.name + ".lock")
+        self._watch: Any = None
+
+    # --- reading -------------------------------------------------------------------------------
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = files.read_json(self.path)
+        except json.JSONDecodeError as exc:
+            # Never guess over a corrupt file (someone edited it by hand): report and retry.
+            raise Unavailable(f"{self.path} is not valid JSON: {exc}") from None
+        except OSError as exc:
+            raise Unavailable(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        if data is None:
+            return {"labels": {}, "annotations": {}, "generation": 0}
+        if not isinstance(data, dict):
+            raise Unavailable(f"{self.path} must hold a JSON object")
+        for part in ("labels", "annotations"):
+            value = data.get(part, {})
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
+                raise Unavailable(f"{self.path}: {part!r} must be an object of strings")
+            data[part] = value
+        return data
+
+    def _view(self, data: Mapping[str, Any]) -> NodeView:
+        return NodeView(
+            self.name,
+            dict(data["labels"]),
+            dict(data["annotations"]),
+            str(data.get("generation", 0)),
+        )
+
+    def read(self) -> NodeView:
+        return self._view(self._load())
+
+    # --- writing -------------------------------------------------------------------------------
+    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
+        return self.edit(annotations=change)
+
+    def edit(
+        self,
+        *,
+        labels: Callable[[NodeView], Patch] | None = None,
+        annotations: Callable[[NodeView], Patch] | None = None,
+    ) -> NodeView:
+        """Atomic read-modify-write of labels and/or annotations under the node lock. Writes
+        nothing when nothing changes."""
+        try:
+            with files.locked(self.lock):
+                data = self._load()
+                view = self._view(data)
+                dirty = False
+                for part, change in (("labels", labels), ("annotations", annotations)):
+                    if change is None:
+                        continue
+                    patch = changes(data[part], change(view))
+                    if patch:
+                        data[part] = apply_patch(data[part], patch)
+                        dirty = True
+                if not dirty:
+                    return view
+                data["generation"] = int(data.get("generation", 0)) + 1
+                files.write_json(self.path, data)
+                return self._view(data)
+        except OSError as exc:
+            raise Unavailable(f"cannot write {self.path}: {exc.strerror or exc}") from None
+
+    # --- watching ------------------------------------------------------------------------------
+    def watch(self, on_change: Callable[[NodeView], None]) -> None:
+        """inotify (watchdog) on the state directory, filtered to node.json. Each change is
+        re-read whole; the caller compares what it cares about."""
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers.inotify import InotifyObserver
+
+        target = os.path.abspath(self.path)
+        owner = self
+
+        class _Handler(FileSystemEventHandler):
+            def on_any_event(self, event: Any) -> None:
+                if event.event_type in ("opened", "closed_no_write"):
+                    return
+                paths = {os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", ""))}
+                if target not in paths:
+                    return
+                try:
+                    view = owner.read()
+                except Unavailable as exc:
+                    log.warning("node file changed but cannot be read: %s", exc)
+                    return
+                on_change(view)
+
+        # kvcd owns /var/lib/kvcd: create it so the watch never has to follow it appearing.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        observer = InotifyObserver()
+        observer.schedule(_Handler(), str(self.path.parent), recursive=False)
+        observer.daemon = True
+        observer.start()
+        self._watch = observer
+
+    def stop(self) -> None:
+        observer, self._watch = self._watch, None
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=5)
+
+    def event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        # Standalone: the journal is the event log (the daemon logs every state change already).
+        log.debug("node event %s: %s", reason, message)

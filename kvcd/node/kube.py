@@ -1,0 +1,253 @@
+"""The Kubernetes node backend, through the official `kubernetes` client (imported lazily).
+
+Credentials: a kubeconfig path (settings `kubeconfig`) or the in-cluster service account. The
+node name comes from settings, $NODE_NAME or the hostname (backend.node_name).
+
+- Read: GET /api/v1/nodes/<name>.
+- Write: JSON merge patch of kvcd's own annotation keys only, carrying the resourceVersion of the
+  read it was computed from: a concurrent writer (another `kvcd@` process on the node) makes it
+  409 Conflict, and the update is recomputed from a fresh read. 429, 5xx and connection errors
+  are retried with capped exponential backoff; when the attempts run out the call raises
+  `Unavailable` and the daemon keeps its modules and retries later.
+- Watch: list+watch of the one node (fieldSelector metadata.name) from the last resourceVersion;
+  410 Gone -> re-list; dropped connections -> back off and resume.
+- Events: a core/v1 Event about the Node in namespace "default" per state change.
+
+Responses are read as raw JSON (`_preload_content=False`), so kvcd depends on the API's wire
+format, not on the generated model classes of one client version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
+EVENTS_NAMESPACE = "default"
+COMPONENT = "kvcd"
+
+
+class KubeBackend(Backend):
+    kind = "kubernetes"
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        kubeconfig: str | None = None,
+        attempts: int = 5,
+        first_delay: float = 0.5,
+        max_delay: float = 8.0,
+        watch_timeout: int = 300,
+        request_timeout: float = 30.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.name = name
+        self.kubeconfig = kubeconfig
+        self.attempts = attempts
+        self.first_delay = first_delay
+        self.max_delay = max_delay
+        self.watch_timeout = watch_timeout
+        self.request_timeout = request_timeout
+        self.sleep = sleep
+        self._api: Any = None
+        self._uid = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watch: Any = None
+
+    # --- client ----------------------------------------------------------------------------
+    def api(self) -> Any:
+        if self._api is not None:
+            return self._api
+        try:
+            from kubernetes import client, config
+        except ImportError as exc:
+            raise Unavailable(f"the kubernetes client is not installed: {exc}") from None
+        cfg = client.Configuration()
+        try:
+            if self.kubeconfig:
+                config.load_kube_config(  # type: ignore[no-untyped-call]
+                    config_file=self.kubeconfig, client_configuration=cfg
+                )
+            else:
+                config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        except Exception as exc:  # ConfigException, missing files, bad YAML
+            raise Unavailable(f"no Kubernetes credentials: {exc}") from None
+        cfg.retries = 0  # retries are ours (backoff, re-read on conflict)
+        self._api = client.CoreV1Api(client.ApiClient(cfg))
+        return self._api
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_delay, self.first_delay * 2.0**attempt)
+
+    def _call(self, what: str, fn: Callable[[], Any], *, conflict_ok: bool = False) -> Any:
+        """fn() with retries on 409/429/5xx and connection errors; the parsed JSON body.
+        With `conflict_ok`, a 409 is returned to the caller as None (it re-reads)."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        last = ""
+        for attempt in range(self.attempts):
+            try:
+                resp = fn()
+                data = resp.data if hasattr(resp, "data") else resp
+                return json.loads(data) if isinstance(data, (bytes, str)) else data
+            except ApiException as exc:
+                if exc.status == 409 and conflict_ok:
+                    return None
+                last = f"{what}: HTTP {exc.status} {exc.reason}"
+                if exc.status not in RETRY_STATUS:
+                    raise Unavailable(last) from None
+            except (HTTPError, OSError) as exc:
+                last = f"{what}: {type(exc).__name__}: {exc}"
+            if attempt + 1 < self.attempts:
+                log.debug("%s; retrying", last)
+                self.sleep(self._delay(attempt))
+        raise Unavailable(last)
+
+    # --- read / write ---------------------------------------------------------------------
+    def _view(self, obj: Mapping[str, Any]) -> NodeView:
+        meta = obj.get("metadata") or {}
+        self._uid = meta.get("uid", self._uid) or self._uid
+        return NodeView(
+            self.name,
+            dict(meta.get("labels") or {}),
+            dict(meta.get("annotations") or {}),
+            str(meta.get("resourceVersion", "")),
+        )
+
+    def read(self) -> NodeView:
+        api = self.api()
+        obj = self._call(
+            f"GET node {self.name}",
+            lambda: api.read_node(
+                self.name, _preload_content=False, _request_timeout=self.request_timeout
+            ),
+        )
+        return self._view(obj)
+
+    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
+        api = self.api()
+        for _ in range(self.attempts):
+            view = self.read()
+            patch = changes(view.annotations, change(view))
+            if not patch:
+                return view
+            body = {"metadata": {"resourceVersion": view.version, "annotations": patch}}
+            obj = self._call(
+                f"PATCH node {self.name}",
+                lambda body=body: api.patch_node(  # type: ignore[misc]
+                    self.name,
+                    body,
+                    _content_type="application/merge-patch+json",
+                    _preload_content=False,
+                    _request_timeout=self.request_timeout,
+                ),
+                conflict_ok=True,
+            )
+            if obj is not None:
+                return self._view(obj)
+            log.debug("node %s changed under us (409); re-reading", self.name)
+        raise Unavailable(f"PATCH node {self.name}: conflicts on every attempt")
+
+    # --- watch -----------------------------------------------------------------------------
+    def watch(self, on_change: Callable[[NodeView], None]) -> None:
+        # No API call here: without credentials or a server yet, the loop backs off and retries.
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._watch_loop, args=(on_change,), name="kvcd-node-watch", daemon=True
+        )
+        self._thread.start()
+
+    def _watch_loop(self, on_change: Callable[[NodeView], None]) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        rv: str | None = None
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if rv is None:  # (re-)list: the current state and where to watch from
+                    view = self.read()
+                    rv = view.version
+                    on_change(view)
+                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+                for ev in self._watch.stream(
+                    self.api().list_node,
+                    field_selector=f"metadata.name={self.name}",
+                    resource_version=rv,
+                    timeout_seconds=self.watch_timeout,
+                    allow_watch_bookmarks=True,
+                    _request_timeout=self.watch_timeout + 30,
+                ):
+                    if self._stop.is_set():
+                        return
+                    obj = ev.get("raw_object") or {}
+                    if ev.get("type") == "ERROR":
+                        if obj.get("code") == 410:
+                            raise ApiException(status=410, reason="Gone")
+                        raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
+                    rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                    if ev.get("type") in ("ADDED", "MODIFIED"):
+                        on_change(self._view(obj))
+                failures = 0
+            except ApiException as exc:
+                if exc.status == 410:
+                    log.debug("node watch: 410 Gone, re-listing")
+                    rv = None
+                    continue
+                failures += 1
+                log.debug("node watch: HTTP %s", exc.status)
+            except Unavailable as exc:
+                failures += 1
+                log.debug("node watch: %s", exc)
+            except Exception as exc:  # dropped connections, protocol errors, bad chunks
+                failures += 1
+                log.debug("node watch: %s: %s", type(exc).__name__, exc)
+            if failures:
+                self._stop.wait(self._delay(min(failures - 1, 6)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    # --- events ----------------------------------------------------------------------------
+    def event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        api = self.api()
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{self.name}.kvcd-", "namespace": EVENTS_NAMESPACE},
+            "involvedObject": {"kind": "Node", "name": self.name, "uid": self._uid or self.name},
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": COMPONENT, "host": self.name},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._call(
+            "POST event",
+            lambda: api.create_namespaced_event(
+                EVENTS_NAMESPACE,
+                body,
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            ),
+        )

@@ -1,0 +1,305 @@
+"""Real inotify (through watchdog) on this machine: DirWatch sees the MCO mutation table,
+re-arms a directory that is deleted and recreated (or did not exist yet), ignores reads; and
+the drift monitor turns a real write into a Degraded verdict.
+
+Waits are bounded (a missing event fails the test after WAIT seconds); nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.core import state
+from kvcd.daemon import drift
+from kvcd.daemon.events import HOLD, Context, Event
+from kvcd.host.fswatch import DirWatch
+
+pytestmark = pytest.mark.integration
+
+WAIT = 10.0
+
+
+class Seen:
+    """Paths reported by a DirWatch, and a way to wait for one."""
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, path: Path) -> None:
+        with self._cond:
+            self.paths.append(path)
+            self._cond.notify_all()
+
+    def wait_for(self, path: Path) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: path in self.paths, timeout=WAIT)
+
+    def clear(self) -> None:
+        with self._cond:
+            self.paths.clear()
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[tuple[Path, Seen, DirWatch]]:
+    d = tmp_path / "store"
+    d.mkdir()
+    (d / "a.ko").write_bytes(b"module a")
+    seen = Seen()
+    w = DirWatch([d], seen)
+    w.start()
+    yield d, seen, w
+    w.stop()
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(".tmp." + path.name)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+MUTATIONS = [
+    pytest.param(lambda d: (d / "a.ko").write_bytes(b"changed"), "a.ko", id="content-change"),
+    pytest.param(lambda d: os.utime(d / "a.ko", (1, 1)), "a.ko", id="touch"),
+    pytest.param(lambda d: os.rename(d / "a.ko", d / "a.ko.old"), "a.ko", id="rename-away"),
+    pytest.param(lambda d: (d / "a.ko").unlink(), "a.ko", id="delete"),
+    pytest.param(lambda d: _atomic(d / "a.ko", b"module a"), "a.ko", id="atomic-same"),
+    pytest.param(lambda d: _atomic(d / "a.ko", b"new"), "a.ko", id="atomic-new"),
+    pytest.param(lambda d: (d / "a.ko").chmod(0o600), "a.ko", id="chmod"),
+    pytest.param(lambda d: (d / "b.ko").write_bytes(b"b"), "b.ko", id="created"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "name"), MUTATIONS)
+def test_every_mutation_is_reported(
+    tree: tuple[Path, Seen, DirWatch], mutate: Callable[[Path], object], name: str
+) -> None:
+    d, seen, _w = tree
+    mutate(d)
+    assert seen.wait_for(d / name), seen.paths
+
+
+def test_reads_are_not_changes(tree: tuple[Path, Seen, DirWatch]) -> None:
+    d, seen, _w = tree
+    (d / "a.ko").read_bytes()
+    (d / "marker").write_bytes(b"")  # a later change, to know the read's events were handled
+    assert seen.wait_for(d / "marker")
+    assert d / "a.ko" not in seen.paths
+
+
+def _until(predicate: Callable[[], bool]) -> bool:
+    """Poll a condition for at most WAIT seconds (a bound, not a timing assertion)."""
+    end = time.monotonic() + WAIT
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_deleted_and_recreated_directory_is_watched_again(
+    tree: tuple[Path, Seen, DirWatch],
+) -> None:
+    d, seen, w = tree
+    shutil.rmtree(d)
+    assert seen.wait_for(d)
+    assert _until(lambda: d not in w.watched()), w.watched()
+    seen.clear()
+    d.mkdir()
+    (d / "a.ko").write_bytes(b"written at once")
+    # Written before the new watch took effect: reported as the file or as the directory
+    # (re)watched after it, either way a trigger for a full re-check.
+    assert _until(lambda: d / "a.ko" in seen.paths or d in seen.paths), seen.paths
+    assert _until(lambda: d in w.watched()), w.watched()
+    (d / "b.ko").write_bytes(b"later")
+    assert seen.wait_for(d / "b.ko"), (seen.paths, w.watched())
+
+
+def test_directory_that_does_not_exist_yet(tmp_path: Path) -> None:
+    target = tmp_path / "x" / "y"
+    seen = Seen()
+    w = DirWatch([target], seen)
+    w.start()
+    try:
+        assert w.watched() == [tmp_path]
+        target.mkdir(parents=True)
+        with seen._cond:
+            seen._cond.wait_for(lambda: target in w.watched(), timeout=WAIT)
+        (target / "f").write_text("x")
+        assert seen.wait_for(target / "f"), (seen.paths, w.watched())
+        (tmp_path / "unrelated").write_text("x")
+        (target / "g").write_text("x")
+        assert seen.wait_for(target / "g")
+        assert tmp_path / "unrelated" not in seen.paths
+    finally:
+        w.stop()
+
+
+def test_drift_monitor_on_real_inotify(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write to an instance module file -> an Event from the watcher -> Degraded verdict."""
+    from kvcd.config.loader import load_instance, load_settings
+    from kvcd.daemon.instance import Instance
+    from kvcd.host.paths import HostRoot
+    from tests import fakehost
+    from tests.unit.test_drift import CONFIG, MODS, NAME, K, store
+
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    store(root, "1.0", MODS)
+    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
+    root.runtime.mkdir(parents=True, exist_ok=True)
+    cfg, settings = load_instance(root, NAME), load_settings(root)
+    posted: list[Event] = []
+    got = threading.Event()
+
+    def post(e: Event) -> None:
+        posted.append(e)
+        got.set()
+
+    ctx = Context(root, NAME, K, settings, cfg, post)
+    rec = Instance(root, settings, cfg, K).apply("load")
+    mon = drift.DriftMonitor(cfg, settings, udev=None)
+    mon.start(ctx)
+    try:
+        mon.after(ctx, rec)
+        assert mon.watch is not None and not mon.limited
+        ko = root.store(NAME) / "1.0" / K / "kvcd_user.ko"
+        got.clear()
+        posted.clear()
+        ko.write_bytes(b"edited")
+        assert got.wait(WAIT)
+        assert any(e.what == str(ko) for e in posted) or got.wait(WAIT)
+        v = mon.verdict(ctx, list(posted))
+        assert v is not None and v.verb == HOLD and v.state == state.DEGRADED
+        assert f"{ko}: content" in v.reason
+        # The force file is a trigger too.
+        got.clear()
+        root.force_file(NAME).write_text("")
+        assert got.wait(WAIT)
+        assert any(e.what == str(root.force_file(NAME)) for e in posted)
+    finally:
+        mon.stop()
+
+
+def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two-kernel scenario: the next kernel B prepared in the module root (its tree, the
+    weak-updates link, its depmod), depmod rewriting A's indexes through kmod 30's scratch names,
+    the state, status and drift record files, a regenerate scratch tree. Every reconcile those
+    events cause must leave nothing behind that triggers another one: counted in rounds of
+    (all events so far -> verdict + after), never in time."""
+    from kvcd.config.loader import load_instance, load_settings
+    from kvcd.daemon.instance import Instance
+    from kvcd.host import kmod
+    from kvcd.host.paths import HostRoot
+    from tests import fakehost
+    from tests.unit.test_drift import CONFIG, MODS, NAME, K, store
+
+    b = "6.1.0-9001-amd64"
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    store(root, "1.0", MODS)
+    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
+    root.runtime.mkdir(parents=True, exist_ok=True)
+    cfg, settings = load_instance(root, NAME), load_settings(root)
+    posted: list[Event] = []
+    lock = threading.Lock()
+
+    def post(e: Event) -> None:
+        with lock:
+            posted.append(e)
+
+    def take() -> list[Event]:
+        assert mon.watch is not None and mon.watch.sync(WAIT)
+        with lock:
+            out = list(posted)
+            posted.clear()
+        return out
+
+    ctx = Context(root, NAME, K, settings, cfg, post)
+    inst = Instance(root, settings, cfg, K)
+    rec = inst.apply("load")
+    mon = drift.DriftMonitor(cfg, settings, udev=None)
+    mon.start(ctx)
+
+    def rounds(first: list[Event]) -> int:
+        """Reconcile (verdict + after, as the service does) until no event is left."""
+        n, batch = 0, first
+        while batch and n < 10:
+            mon.verdict(ctx, batch)
+            mon.after(ctx, rec)
+            rec.write(root)  # the state file, as every reconcile writes it
+            n += 1
+            batch = take()
+        return n
+
+    try:
+        mon.after(ctx, rec)
+        rounds(take())
+        # kvcd's own writes, B first (what the next-kernel preparation does).
+        (root.system_modules(b) / "kernel").mkdir(parents=True)
+        (root.system_modules(b) / "modules.builtin").write_text("")
+        kmod.prepare_kernel_tree(root, b)
+        weak = store(root, "1.0", MODS, kernel=b)
+        kmod.link_weak_updates(root, b, NAME, weak)
+        kmod.depmod(root, b)
+        # depmod of A as kmod 30 writes it: <index>.<pid>.<n>.<time>, renamed into place.
+        kdir = root.kernel_dir(K)
+        for i, name in enumerate(("modules.dep", "modules.alias")):
+            scratch = kdir / f"{name}.{os.getpid()}.{i}.1795332315"
+            scratch.write_bytes((kdir / name).read_bytes() if (kdir / name).exists() else b"")
+            os.replace(scratch, kdir / name)
+        drift.DriftMonitor.regenerate(root, K)
+        first = take()
+        ours = [
+            e.what
+            for e in first
+            if ".1795332315" in e.what or b in e.what or e.what.startswith(str(root.runtime))
+        ]
+        assert ours == []
+        assert rounds(first) <= 1, "the reconcile of kvcd's own changes caused more events"
+        # Idle: a periodic check and its after-hook cause nothing.
+        assert rounds([Event(drift.SOURCE, "timer")]) == 1
+        assert take() == []
+    finally:
+        mon.stop()
+
+
+def test_a_watched_directory_does_not_echo_its_entries(tmp_path: Path) -> None:
+    """watchdog reports "modified" on a watched directory for each entry event; only the entry
+    is reported, also for a directory watched as the parent of a watched one (a next kernel's
+    tree staged beside the active one must not look like a change of the instance's store)."""
+    store = tmp_path / "store"
+    version = store / "1.0"
+    active = version / "A"
+    active.mkdir(parents=True)
+    seen = Seen()
+    w = DirWatch([store, active], seen)
+    w.start()
+    try:
+        assert version in w.watched()  # the parent of a watched directory carries a watch
+        (version / "B").mkdir()
+        (active / "x.ko").write_bytes(b"x")
+        assert seen.wait_for(active / "x.ko")
+        assert w.sync(WAIT)
+        assert active not in seen.paths and version not in seen.paths, seen.paths
+        assert version / "B" not in seen.paths  # not an entry of a watched directory
+    finally:
+        w.stop()

@@ -1,0 +1,538 @@
+"""The Kubernetes node backend through the real `kubernetes` client library.
+
+No kube-apiserver can be installed on these machines (it is in neither Debian nor PyPI), so the
+client talks to a small HTTP server in this test that implements the API paths kvcd uses, with
+the API's semantics where they matter: GET and JSON-merge-PATCH of a Node (a PATCH carrying a
+stale metadata.resourceVersion is a 409 Conflict), list + watch of one node by fieldSelector
+(resourceVersion, bookmarks, 410 Gone as an ERROR event once history is compacted), and POST of
+core/v1 Events. Faults are injected per request: 409, 410, 429, 500 and dropped connections.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core.types import ModuleSpec
+from kvcd.daemon.events import HOLD, Context
+from kvcd.daemon.record import Record
+from kvcd.daemon.report import NodeLink, Reporter
+from kvcd.daemon.upgrade import OrderedUpgrade
+from kvcd.host.paths import HostRoot
+from kvcd.node.backend import NodeView, NodeWriter, Unavailable
+from kvcd.node.kube import KubeBackend
+
+NODE = "worker-1"
+
+
+class FakeAPI:
+    """The state behind the server: one Node, its history (for watches), events, faults."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.rv = 100
+        self.node: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": NODE,
+                "uid": "uid-1",
+                "resourceVersion": "100",
+                "labels": {"kubernetes.io/hostname": NODE},
+                "annotations": {"other.io/keep": "yes"},
+            },
+        }
+        self.history: list[tuple[int, dict[str, Any]]] = []
+        self.compacted = 0  # watches from a resourceVersion below this get 410 Gone
+        self.events: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, str, str, Any]] = []  # method, path, content-type, body
+        self.faults: dict[str, list[Any]] = {}  # "GET node" | "PATCH node" | "WATCH" | "POST event"
+        self.closed = False
+        self.watching = 0  # watch handlers streaming now
+
+    def change(self, fn: Any) -> None:
+        """Another client changes the node (the admin, a drain controller)."""
+        with self.lock:
+            fn(self.node["metadata"])
+            self._bump()
+
+    def _bump(self) -> None:
+        self.rv += 1
+        self.node["metadata"]["resourceVersion"] = str(self.rv)
+        self.history.append((self.rv, copy.deepcopy(self.node)))
+        self.lock.notify_all()
+
+    def fault(self, kind: str) -> Any:
+        with self.lock:
+            queue = self.faults.get(kind) or []
+            return queue.pop(0) if queue else None
+
+
+def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # chunked watch streams, like the API server
+
+        def log_message(self, *_args: Any) -> None:
+            pass
+
+        def _send(self, code: int, obj: Any) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _status(self, code: int, reason: str) -> None:
+            self._send(
+                code,
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "code": code,
+                    "reason": reason,
+                    "message": reason,
+                },
+            )
+
+        def _drop(self) -> None:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+        def _injected(self, kind: str) -> bool:
+            f = api.fault(kind)
+            if f is None:
+                return False
+            if f == "drop":
+                self._drop()
+            elif callable(f):  # a concurrent writer acts first; the request then proceeds
+                api.change(f)
+                return False
+            else:
+                self._status(
+                    int(f),
+                    {
+                        409: "Conflict",
+                        429: "TooManyRequests",
+                        500: "InternalError",
+                        410: "Gone",
+                    }.get(int(f), "Error"),
+                )
+            return True
+
+        def _chunk(self, obj: Any) -> None:
+            data = (json.dumps(obj) + "\n").encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        def _body(self) -> Any:
+            n = int(self.headers.get("Content-Length", "0"))
+            return json.loads(self.rfile.read(n)) if n else None
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            q = parse_qs(url.query)
+            api.requests.append(("GET", url.path, "", dict(q)))
+            if url.path == f"/api/v1/nodes/{NODE}":
+                if not self._injected("GET node"):
+                    with api.lock:
+                        self._send(200, api.node)
+                return
+            if url.path == "/api/v1/nodes" and q.get("watch") == ["true"]:
+                assert q.get("fieldSelector") == [f"metadata.name={NODE}"]
+                self._watch(
+                    int(q.get("resourceVersion", ["0"])[0]),
+                    float(q.get("timeoutSeconds", ["5"])[0]),
+                )
+                return
+            self._status(404, "NotFound")
+
+        def _watch(self, since: int, timeout: float) -> None:
+            if self._injected("WATCH"):
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.close_connection = True
+            if since < api.compacted:
+                self._chunk(
+                    {
+                        "type": "ERROR",
+                        "object": {
+                            "kind": "Status",
+                            "code": 410,
+                            "reason": "Expired",
+                            "message": "old",
+                        },
+                    }
+                )
+                self.wfile.write(b"0\r\n\r\n")
+                return
+            sent = since
+            with api.lock:
+                api.watching += 1
+            deadline = threading.Event()
+            timer = threading.Timer(timeout, deadline.set)
+            timer.start()
+            try:
+                while not deadline.is_set() and not api.closed:
+                    with api.lock:
+                        new = [(rv, n) for rv, n in api.history if rv > sent]
+                        if not new:
+                            api.lock.wait(0.05)
+                            continue
+                    for rv, n in new:
+                        self._chunk({"type": "MODIFIED", "object": n})
+                        sent = rv
+                    if api.fault("WATCH-after-event") == "drop":
+                        # The connection ends in the middle of the chunked stream (a FIN, so
+                        # the event already sent is still read): a dropped watch.
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_WR)
+                        return
+                self.wfile.write(b"0\r\n\r\n")  # the watch's timeout: a clean end
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            finally:
+                timer.cancel()
+                with api.lock:
+                    api.watching -= 1
+
+        def do_PATCH(self) -> None:
+            url = urlsplit(self.path)
+            body = self._body()
+            api.requests.append(("PATCH", url.path, self.headers.get("Content-Type", ""), body))
+            if url.path != f"/api/v1/nodes/{NODE}":
+                self._status(404, "NotFound")
+                return
+            if self._injected("PATCH node"):
+                return
+            assert self.headers.get("Content-Type") == "application/merge-patch+json"
+            meta = body.get("metadata", {})
+            with api.lock:
+                want = meta.get("resourceVersion")
+                if want is not None and want != api.node["metadata"]["resourceVersion"]:
+                    self._status(409, "Conflict")
+                    return
+                ann = api.node["metadata"].setdefault("annotations", {})
+                for k, v in (meta.get("annotations") or {}).items():
+                    if v is None:
+                        ann.pop(k, None)
+                    else:
+                        ann[k] = v
+                api._bump()
+                self._send(200, api.node)
+
+        def do_POST(self) -> None:
+            url = urlsplit(self.path)
+            body = self._body()
+            api.requests.append(("POST", url.path, self.headers.get("Content-Type", ""), body))
+            if url.path != "/api/v1/namespaces/default/events":
+                self._status(404, "NotFound")
+                return
+            if self._injected("POST event"):
+                return
+            api.events.append(body)
+            self._send(201, {**body, "metadata": {"name": "ev1", "namespace": "default"}})
+
+    return Handler
+
+
+@pytest.fixture
+def api() -> Iterator[FakeAPI]:
+    state = FakeAPI()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    state.port = server.server_address[1]  # type: ignore[attr-defined]
+    yield state
+    state.closed = True
+    with state.lock:
+        state.lock.notify_all()
+    server.shutdown()
+    server.server_close()
+
+
+def kubeconfig(tmp_path: Path, port: int) -> str:
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+clusters:
+- name: test
+  cluster: {{server: "http://127.0.0.1:{port}"}}
+users:
+- name: kvcd
+  user: {{token: "t0ken"}}
+contexts:
+- name: test
+  context: {{cluster: test, user: kvcd}}
+current-context: test
+"""
+    )
+    return str(path)
+
+
+@pytest.fixture
+def backend(api: FakeAPI, tmp_path: Path) -> Iterator[tuple[KubeBackend, list[float]]]:
+    sleeps: list[float] = []
+    be = KubeBackend(
+        NODE,
+        kubeconfig=kubeconfig(tmp_path, api.port),  # type: ignore[attr-defined]
+        first_delay=0.01,
+        max_delay=0.05,
+        watch_timeout=300,
+        sleep=sleeps.append,
+    )
+    yield be, sleeps
+    be.stop()
+
+
+def patches(api: FakeAPI) -> list[Any]:
+    return [r[3] for r in api.requests if r[0] == "PATCH"]
+
+
+def test_read_and_merge_patch_only_our_keys(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    view = be.read()
+    assert view.labels["kubernetes.io/hostname"] == NODE and view.version == "100"
+    view = be.update(lambda v: {"kvcd.io/nic.state": "Done", "kvcd.io/nic.reason": None})
+    assert view.annotations == {"other.io/keep": "yes", "kvcd.io/nic.state": "Done"}
+    # One PATCH, merge-patch, carrying only our changed key and the resourceVersion it read.
+    assert [r[2] for r in api.requests if r[0] == "PATCH"] == ["application/merge-patch+json"]
+    assert patches(api) == [
+        {"metadata": {"resourceVersion": "100", "annotations": {"kvcd.io/nic.state": "Done"}}}
+    ]
+    # Nothing changes: no PATCH at all.
+    be.update(lambda v: {"kvcd.io/nic.state": "Done"})
+    assert len(patches(api)) == 1
+
+
+def test_concurrent_writer_409_recomputes_from_a_fresh_read(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    # Between our GET and our PATCH another kvcd@ process claims a drain.
+    api.faults["PATCH node"] = [lambda m: m["annotations"].update({"kvcd.io/b.drain": "x"})]
+    seen: list[dict[str, str]] = []
+
+    def change(v: NodeView) -> dict[str, str | None]:
+        seen.append(dict(v.annotations))
+        others = [k for k in v.annotations if k.endswith(".drain")]
+        return {"kvcd.io/a.drain": "y", "kvcd.io/drain": f"claims={len(others) + 1}"}
+
+    view = be.update(change)
+    assert len(patches(api)) == 2  # 409 on the first (stale resourceVersion), then success
+    assert "kvcd.io/b.drain" in seen[-1]  # recomputed with the other writer's key
+    assert view.annotations["kvcd.io/drain"] == "claims=2"
+    assert view.annotations["kvcd.io/b.drain"] == "x"
+
+
+@pytest.mark.parametrize("fault", [409, 429, 500, "drop"])
+def test_transient_errors_are_retried_with_backoff(api: FakeAPI, backend: Any, fault: Any) -> None:
+    be, sleeps = backend
+    api.faults["GET node"] = [fault, fault]
+    assert be.read().name == NODE
+    assert sleeps == [0.01, 0.02]  # doubling from first_delay
+
+
+def test_patch_429_and_500_then_success(api: FakeAPI, backend: Any) -> None:
+    be, sleeps = backend
+    api.faults["PATCH node"] = [429, 500]
+    view = be.update(lambda v: {"kvcd.io/x.state": "Working"})
+    assert view.annotations["kvcd.io/x.state"] == "Working"
+    assert len(sleeps) == 2
+
+
+def test_gives_up_as_unavailable_and_never_hides_it(api: FakeAPI, backend: Any) -> None:
+    be, sleeps = backend
+    api.faults["GET node"] = [500] * 10
+    with pytest.raises(Unavailable, match="HTTP 500"):
+        be.read()
+    assert len(sleeps) == be.attempts - 1
+
+
+def test_forbidden_is_not_retried(api: FakeAPI, backend: Any) -> None:
+    be, sleeps = backend
+    api.faults["GET node"] = [403]
+    with pytest.raises(Unavailable, match="HTTP 403"):
+        be.read()
+    assert sleeps == []
+
+
+def test_unreachable_server_is_unavailable(tmp_path: Path) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    be = KubeBackend(NODE, kubeconfig=kubeconfig(tmp_path, port), attempts=2, sleep=lambda _d: None)
+    with pytest.raises(Unavailable):
+        be.read()
+    w = NodeWriter(be)
+    assert not w.write({"kvcd.io/x.state": "Done"}) and w.failing
+
+
+def test_missing_credentials_are_unavailable(tmp_path: Path) -> None:
+    be = KubeBackend(NODE, kubeconfig=str(tmp_path / "absent"))
+    with pytest.raises(Unavailable, match="no Kubernetes credentials"):
+        be.read()
+
+
+def until(pred: Any, timeout: float = 30.0) -> bool:
+    """Wait (bounded) for a condition on the server's state; not a timing assertion."""
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return True
+        done.wait(0.02)
+    return bool(pred())
+
+
+def test_watch_follows_changes_relists_on_410_and_resumes_after_drops(
+    api: FakeAPI, backend: Any
+) -> None:
+    be, _ = backend
+    views: list[NodeView] = []
+    want: dict[str, threading.Event] = {v: threading.Event() for v in ("1", "2", "3")}
+
+    def changed(view: NodeView) -> None:
+        views.append(view)
+        value = view.labels.get("kvcd.io/version.nic")
+        if value in want:
+            want[value].set()
+
+    be.watch(changed)
+    api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "1"}))
+    assert want["1"].wait(timeout=30)
+
+    # The connection drops after an event: the watch resumes from the last resourceVersion.
+    api.faults["WATCH-after-event"] = ["drop"]
+    api.faults["WATCH"] = ["drop", 500]
+    api.change(lambda m: m["annotations"].update({"x/y": "z"}))
+    api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "2"}))
+    assert want["2"].wait(timeout=30)
+    assert until(lambda: not api.faults["WATCH"] and api.watching == 1)
+
+    # The watch drops after "3"; when it comes back the history it resumes from has been
+    # compacted (and the node changed to "4"): 410 Gone -> re-list (a GET) -> watch from there.
+    gets_before = sum(1 for r in api.requests if r[:2] == ("GET", f"/api/v1/nodes/{NODE}"))
+
+    def compact(meta: dict[str, Any]) -> None:
+        meta["labels"]["kvcd.io/version.nic"] = "4"
+        api.compacted = api.rv + 1  # the rv this change gets: everything before is gone
+
+    want["4"] = threading.Event()
+    api.faults["WATCH-after-event"] = ["drop"]
+    api.faults["WATCH"] = [compact]
+    api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "3"}))
+    assert want["3"].wait(timeout=30)
+    assert want["4"].wait(timeout=30)
+    gets_after = sum(1 for r in api.requests if r[:2] == ("GET", f"/api/v1/nodes/{NODE}"))
+    assert gets_after == gets_before + 1
+    want["5"] = threading.Event()
+    api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "5"}))
+    assert want["5"].wait(timeout=30)
+    watch_rvs = [
+        int(r[3]["resourceVersion"][0])
+        for r in api.requests
+        if r[0] == "GET" and r[3].get("watch") == ["true"]
+    ]
+    assert watch_rvs == sorted(watch_rvs)  # never goes back in history
+    assert watch_rvs[-1] >= api.compacted
+
+
+def test_events_name_the_node(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    be.read()
+    api.faults["POST event"] = [500]
+    be.event("LoadFailed", "nic: Degraded: LoadFailed: x", warning=True)
+    assert len(api.events) == 1
+    ev = api.events[0]
+    assert ev["involvedObject"] == {"kind": "Node", "name": NODE, "uid": "uid-1"}
+    assert (ev["reason"], ev["type"], ev["source"]["component"]) == (
+        "LoadFailed",
+        "Warning",
+        "kvcd",
+    )
+
+
+def ctx(tmp_path: Path, settings: Settings) -> Context:
+    cfg = InstanceConfig(
+        "nic",
+        tmp_path / "nic.toml",
+        "1.0",
+        (ModuleSpec("kvcd_nic"),),
+        image="x",
+        ordered_upgrade=True,
+    )
+    root = HostRoot(tmp_path)
+    (tmp_path / "sys/module").mkdir(parents=True)
+    return Context(root, "nic", "6.1.0", settings, cfg, lambda _e: None)
+
+
+def test_reporter_publishes_and_posts_one_event_per_state_change(
+    api: FakeAPI, tmp_path: Path
+) -> None:
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None),
+    )
+    rep = Reporter(link)
+    c = ctx(tmp_path, settings)
+    rep.start(c)
+    try:
+        rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
+        rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
+        rep.after(
+            c,
+            Record("nic", "Degraded", "LoadFailed: x", version="1.0", kernel="6.1.0", boot_id="b"),
+        )
+        ann = api.node["metadata"]["annotations"]
+        assert ann["kvcd.io/nic.state"] == "Degraded"
+        assert ann["kvcd.io/nic.reason"] == "LoadFailed: x"
+        assert ann["other.io/keep"] == "yes"
+        assert [e["reason"] for e in api.events] == ["ModulesLoaded", "LoadFailed"]
+        assert len(patches(api)) == 2  # the repeated Done cost nothing
+    finally:
+        rep.stop()
+
+
+def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:
+    """API server down from the start: the ordered-upgrade verdict holds (never unloads) and the
+    reporter schedules a retry instead of failing the instance."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, port))
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(
+            NODE, kubeconfig=settings.kubeconfig, attempts=1, sleep=lambda _d: None
+        ),
+    )
+    up, rep = OrderedUpgrade(link), Reporter(link)
+    c = ctx(tmp_path, settings)
+    up.start(c)
+    rep.start(c)
+    try:
+        v = up.verdict(c, [])
+        assert v is not None and (v.verb, v.state) == (HOLD, "Working")
+        assert v.reason.startswith("NodeUnavailable") and "keeping modules" in v.reason
+        assert rep.after(c, Record("nic", "Working", v.reason)) is None
+        assert rep._timer is not None and rep._timer.is_alive()
+    finally:
+        rep.stop()
+        up.stop()

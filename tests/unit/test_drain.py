@@ -1,0 +1,348 @@
+"""The drain handshake: both literal tables row by row, restarts mid-handshake, one request per
+node shared by instances, and the whole path through the `kvcd run` loop on a fake host with the
+file backend (a test plays the cluster's drain controller by writing drain-current)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.config.loader import load_instance, load_settings
+from kvcd.core import drain as hs
+from kvcd.daemon import extensions
+from kvcd.daemon.drain import Drain
+from kvcd.daemon.events import HOLD, Context, Event
+from kvcd.daemon.record import Record
+from kvcd.daemon.report import NodeLink, Reporter
+from kvcd.daemon.service import Service
+from kvcd.host.paths import HostRoot
+from kvcd.node.filebackend import FileBackend
+from tests import fakehost
+from tests.unit.test_service_events import RecordingNotifier
+
+K = "6.1.0-56-amd64"
+MODS = ["kvcd_base", "kvcd_user"]
+BOOT = "0b5e6c4e-0000-4000-8000-000000000001"
+CONFIG = (
+    'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\ndrain = "{mode}"\n'
+    '[build]\ncontext = "/src"\n'
+)
+T0 = 1_700_000_000.0
+TIMEOUT = 600.0
+
+
+def claim(kind: str = hs.DRAIN_REQUIRED, boot: str = BOOT, since: float = T0) -> hs.Claim:
+    return hs.Claim(kind, boot, since)
+
+
+# claim, drain-current, now -> before()
+BEFORE_ROWS = [
+    (None, "", T0, hs.PROCEED),
+    (None, hs.DRAIN_COMPLETE, T0, hs.PROCEED),
+    (claim(), "", T0 + 1, hs.WAIT),  # just requested, controller has not answered
+    (claim(), hs.DRAINING, T0 + 10, hs.WAIT),
+    (claim(), "garbage", T0 + 10, hs.WAIT),  # unknown answer counts as Idle
+    (claim(), hs.DRAIN_COMPLETE, T0 + 10, hs.PROCEED),
+    (claim(), hs.DRAINING, T0 + TIMEOUT + 1, hs.TIMEOUT),
+    (claim(), hs.IDLE, T0 + TIMEOUT + 1, hs.TIMEOUT),
+    (claim(), hs.DRAIN_COMPLETE, T0 + TIMEOUT + 1, hs.PROCEED),  # late answer still counts
+    # restart mid-handshake: the claim is on the node, same boot -> keep waiting
+    (claim(since=T0 - 30), hs.DRAINING, T0, hs.WAIT),
+    # restart after a reboot: the claim is from another boot -> stale, proceed
+    (claim(hs.REBOOT_REQUIRED, boot="old-boot"), hs.DRAINING, T0, hs.PROCEED),
+]
+
+
+@pytest.mark.parametrize(("c", "current", "now", "step"), BEFORE_ROWS)
+def test_before(c: hs.Claim | None, current: str, now: float, step: str) -> None:
+    assert hs.before(c, current, now, TIMEOUT, BOOT) == step
+
+
+def test_stale() -> None:
+    assert hs.stale(claim(boot="old"), BOOT)
+    assert not hs.stale(claim(), BOOT)
+    assert not hs.stale(None, BOOT)
+
+
+# claim kind, drain-current, outcome -> action, state, reason code
+AFTER_ROWS = [
+    ("", hs.IDLE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", hs.DRAIN_PENDING),
+    ("", hs.IDLE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", hs.REBOOT_PENDING),
+    ("", hs.IDLE, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.DRAIN_COMPLETE, hs.FAILED, hs.NOTHING, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", hs.STILL_IN_USE),
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Working", hs.DRAIN_PENDING),
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
+    (
+        hs.DRAIN_REQUIRED,
+        hs.DRAIN_COMPLETE,
+        hs.UNLOADABLE,
+        hs.REQUEST_REBOOT,
+        "Degraded",
+        hs.REBOOT_PENDING,
+    ),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.UNLOADABLE, hs.KEEP, "Degraded", hs.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
+]
+
+
+@pytest.mark.parametrize(("kind", "current", "outcome", "action", "st", "code"), AFTER_ROWS)
+def test_after(kind: str, current: str, outcome: str, action: str, st: str, code: str) -> None:
+    c = claim(kind) if kind else None
+    assert hs.after(c, current, outcome) == (action, st, code)
+
+
+def test_after_table_is_complete() -> None:
+    for kind in ("", hs.DRAIN_REQUIRED, hs.REBOOT_REQUIRED):
+        for current in (hs.IDLE, hs.DRAINING, hs.DRAIN_COMPLETE):
+            for outcome in (hs.BLOCKED, hs.UNLOADABLE, hs.APPLIED, hs.FAILED):
+                assert (kind, current, outcome) in hs.AFTER
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "outcome"),
+    [
+        ("Done", "", hs.APPLIED),
+        ("Done", "LabelAbsent: x", hs.APPLIED),
+        ("Degraded", "ModuleInUse: kvcd_user is held by foo", hs.BLOCKED),
+        ("Degraded", "UnloadFailed: rmmod: ERROR: Device or resource busy", hs.UNLOADABLE),
+        ("Degraded", "LoadFailed: nope", hs.FAILED),
+        ("Degraded", "DrainTimeout: no DrainComplete", hs.FAILED),
+        ("Working", "DrainRequired: waiting", None),
+    ],
+)
+def test_outcome_of(state: str, reason: str, outcome: str | None) -> None:
+    assert hs.outcome_of(state, reason) == outcome
+
+
+@pytest.mark.parametrize(
+    ("claims", "value"),
+    [
+        ({}, hs.IDLE),
+        ({"p.io/a.drain": claim().encode()}, hs.DRAIN_REQUIRED),
+        (
+            {"p.io/a.drain": claim().encode(), "p.io/b.drain": claim(hs.REBOOT_REQUIRED).encode()},
+            hs.REBOOT_REQUIRED,
+        ),
+        ({"p.io/a.drain": "garbage", "other.io/b.drain": claim().encode()}, hs.IDLE),
+        ({"p.io/drain": hs.DRAIN_REQUIRED}, hs.IDLE),  # the node-wide key is not a claim
+    ],
+)
+def test_node_value_is_the_strongest_claim(claims: dict[str, str], value: str) -> None:
+    assert hs.node_value(claims, "p.io") == value
+
+
+@pytest.mark.parametrize("text", ["", "Idle", "Drain_Required boot=b since=zz", "Drain_Required"])
+def test_claim_decode(text: str) -> None:
+    c = hs.Claim.decode(text)
+    if text == "Drain_Required":
+        assert c == hs.Claim(hs.DRAIN_REQUIRED, "", 0.0)
+    else:
+        assert c is None
+    assert hs.Claim.decode(claim().encode()) == claim()
+
+
+# --- the extension through the `kvcd run` loop -----------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    monkeypatch.setenv("NODE_NAME", "n1")
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    for v in ("1.0", "2.0"):
+        fakehost.store_version(root, "e2e", v, K, MODS)
+    fakehost.write_config(root, "e2e", CONFIG.format(v="1.0", mode="cluster"))
+    return root
+
+
+def hold(root: HostRoot, module: str, by: str) -> None:
+    d = root.sys_module / module
+    (d / "holders" / by).mkdir(parents=True)
+    (d / "refcnt").write_text("1\n")
+
+
+def release(root: HostRoot, module: str, by: str) -> None:
+    d = root.sys_module / module
+    (d / "holders" / by).rmdir()
+    (d / "refcnt").write_text("0\n")
+
+
+def controller(root: HostRoot, answer: str) -> None:
+    FileBackend(root, "n1").edit(annotations=lambda _v: {"kvcd.io/drain-current": answer})
+
+
+def ann(root: HostRoot) -> dict[str, str]:
+    return dict(FileBackend(root, "n1").read().annotations)
+
+
+@pytest.fixture
+def service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> Any:
+    clock = Clock()
+
+    def build(cfg: Any, settings: Any) -> list[Any]:
+        link = NodeLink(settings)
+        return [Drain(link, clock=clock), Reporter(link)]
+
+    monkeypatch.setattr(extensions, "build", build)
+    made: list[Service] = []
+
+    def make() -> Service:
+        svc = Service(host, "e2e", K, RecordingNotifier())
+        made.append(svc)
+        return svc
+
+    make.clock = clock  # type: ignore[attr-defined]
+    yield make
+    for svc in made:
+        svc.stop_extensions()
+
+
+def test_blocked_change_drains_then_applies_then_idles(host: HostRoot, service: Any) -> None:
+    svc = service()
+    assert svc.reconcile([Event("start", retry=True)]).state == "Done"
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+
+    # The swap is blocked (foo holds kvcd_user): the node is asked to drain.
+    svc.reconcile([Event("signal", "reload", retry=True)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Working"
+    assert rec.reason.startswith("DrainRequired: Drain_Required requested")
+    assert "foo" in rec.reason
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Drain_Required"
+    assert a["kvcd.io/e2e.drain"].startswith(f"Drain_Required boot={BOOT}")
+    assert a["kvcd.io/e2e.state"] == "Working"
+
+    # The controller is draining: kvcd holds, changes nothing.
+    controller(host, "Draining")
+    rec = svc.reconcile([Event("drain", "Draining", retry=True)])
+    assert rec is not None and rec.state == "Working" and "now Draining" in rec.reason
+    assert (host.sys_module / "kvcd_user" / "holders" / "foo").is_dir()
+
+    # Restart in the middle: a new process re-derives "waiting" from the node.
+    svc.stop_extensions()
+    svc = service()
+    rec = svc.reconcile([Event("start", retry=True)])
+    assert rec is not None and rec.state == "Working" and rec.reason.startswith("DrainRequired")
+
+    # Drain complete (the workload is gone): apply the swap, withdraw, node back to Idle.
+    release(host, "kvcd_user", "foo")
+    controller(host, "DrainComplete")
+    rec = svc.reconcile([Event("drain", "DrainComplete", retry=True)])
+    assert rec is not None and (rec.state, rec.version) == ("Done", "2.0")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+    assert a["kvcd.io/e2e.state"] == "Done"
+
+
+def test_still_held_after_drain_is_degraded_and_withdrawn(host: HostRoot, service: Any) -> None:
+    svc = service()
+    svc.reconcile([Event("start", retry=True)])
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", retry=True)])
+    controller(host, "DrainComplete")
+    svc.reconcile([Event("drain", "DrainComplete", retry=True)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith("ModuleInUse: still in use after the drain completed")
+    assert ann(host)["kvcd.io/drain"] == "Idle"
+    assert (host.sys_module / "kvcd_user").is_dir()  # never forced out
+
+
+def test_no_answer_times_out_degraded_and_withdraws(host: HostRoot, service: Any) -> None:
+    svc = service()
+    svc.reconcile([Event("start", retry=True)])
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", retry=True)])
+    service.clock.now = T0 + 601
+    svc.reconcile([Event("drain", "timeout", retry=True)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith("DrainTimeout: no DrainComplete within 600s")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+    assert a["kvcd.io/e2e.state"] == "Degraded"
+
+
+def test_one_request_per_node_shared_by_instances(host: HostRoot) -> None:
+    settings = load_settings(host)
+    cfg = load_instance(host, "e2e")
+    exts = {}
+    for name in ("a", "b"):
+        link = NodeLink(settings, opener=lambda c: FileBackend(c.root, "n1"))
+        ctx = Context(host, name, K, settings, cfg, lambda _e: None)
+        ext = Drain(link, clock=Clock())
+        ext.start(ctx)
+        exts[name] = (ext, ctx)
+    try:
+        blocked = Record("x", "Degraded", "ModuleInUse: kvcd_user is held by foo (refcnt 1)")
+        for name in ("a", "b"):
+            ext, ctx = exts[name]
+            v = ext.after(ctx, blocked)
+            assert v is not None and v.verb == HOLD and v.state == "Working"
+        assert ann(host)["kvcd.io/drain"] == "Drain_Required"
+        controller(host, "DrainComplete")
+        ext, ctx = exts["a"]
+        ext.after(ctx, Record("a", "Done"))
+        a = ann(host)
+        assert "kvcd.io/a.drain" not in a and a["kvcd.io/drain"] == "Drain_Required"  # b waits
+        ext, ctx = exts["b"]
+        ext.after(ctx, Record("b", "Done"))
+        assert ann(host)["kvcd.io/drain"] == "Idle"
+    finally:
+        for ext, _ctx in exts.values():
+            ext.stop()
+
+
+def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: Any) -> None:
+    old = hs.Claim(hs.REBOOT_REQUIRED, "another-boot", T0 - 3600).encode()
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {"kvcd.io/e2e.drain": old, "kvcd.io/drain": "Reboot_Required"}
+    )
+    rec = service().reconcile([Event("start", retry=True)])
+    assert rec is not None and rec.state == "Done"
+    assert ann(host)["kvcd.io/drain"] == "Idle"
+
+
+def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
+    fakehost.write_config(host, "e2e", CONFIG.format(v="1.0", mode="none"))
+    svc = service()
+    svc.reconcile([Event("start", retry=True)])
+    hold(host, "kvcd_user", "foo")
+    # A process with the module's device node open: /dev/null stands in for it (no mknod).
+    rdev = os.stat("/dev/null").st_rdev
+    dev = host(f"/sys/dev/char/{os.major(rdev)}:{os.minor(rdev)}")
+    dev.mkdir(parents=True)
+    (dev / "uevent").write_text("MAJOR=1\nDEVNAME=kvcd_user\n")
+    fd = host("/proc/4242/fd")
+    fd.mkdir(parents=True)
+    (fd.parent / "comm").write_text("holder-app\n")
+    (fd / "3").symlink_to("/dev/null")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="none"))
+    svc.reconcile([Event("signal", "reload", retry=True)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith("ModuleInUse: cannot replace the loaded version")
+    assert "holders: kvcd_user: refcnt 1; used by modules foo; open by holder-app[4242]" in (
+        rec.reason
+    )
+    assert "kvcd.io/drain" not in ann(host)  # no handshake without a cluster

@@ -1,0 +1,1001 @@
+"""Drift (issue #5): the pure comparison, debouncing and module judgement as tables; the
+monitor extension against a fake host (the MCO mutation table, recovery, force file, ENOSPC,
+udev seam, watch_config); the config keys.
+
+No inotify here (a recording stand-in replaces DirWatch; real inotify is in
+tests/integration/test_fswatch.py) and no udev (events are injected through the seam).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from kvcd.config.loader import (
+    load_instance,
+    load_settings,
+    parse_instance_toml,
+    parse_settings_toml,
+)
+from kvcd.config.model import ConfigError, Settings
+from kvcd.core import drift as core
+from kvcd.core import state
+from kvcd.daemon import drift, extensions, status
+from kvcd.daemon.events import HOLD, Context, Event
+from kvcd.daemon.instance import Instance
+from kvcd.daemon.record import Record
+from kvcd.daemon.service import Service
+from kvcd.host import journal
+from kvcd.host.fswatch import DirWatch, WatchLimit
+from kvcd.host.paths import HostRoot
+from kvcd.host.systemd import Notifier
+from kvcd.host.udev import ModuleEvent, module_event
+from tests import fakehost
+
+K = "6.1.0-56-amd64"
+NAME = "e2e"
+MODS = ["kvcd_base", "kvcd_user"]
+CONFIG = 'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+
+
+# --- core: compare ------------------------------------------------------------------------
+
+F = core.Fact
+E = core.Expect
+SHA_A = "a" * 64
+SHA_B = "b" * 64
+
+COMPARE_TABLE = [
+    pytest.param(E(core.FILE, SHA_A, 0o644), F(core.FILE, 0o644, 3, SHA_A), [], id="same"),
+    pytest.param(
+        E(core.FILE, SHA_A, 0o644, size=3),
+        F(core.FILE, 0o644, 4, SHA_B),
+        [(core.CONTENT, "size 3 -> 4, sha256 aaaaaaaaaaaa -> bbbbbbbbbbbb")],
+        id="content",
+    ),
+    pytest.param(
+        E(core.FILE, SHA_A, 0o644),
+        F(core.FILE, 0o600, 3, SHA_A),
+        [(core.MODE, "mode 0644 -> 0600")],
+        id="mode",
+    ),
+    pytest.param(
+        E(core.FILE, SHA_A, 0o644),
+        F(core.FILE, 0o666, 3, SHA_B),
+        [
+            (core.CONTENT, "size 3, sha256 aaaaaaaaaaaa -> bbbbbbbbbbbb"),
+            (core.MODE, "mode 0644 -> 0666"),
+        ],
+        id="content-and-mode",
+    ),
+    pytest.param(
+        E(core.FILE, SHA_A), F(core.ABSENT), [(core.MISSING, "expected a file")], id="missing"
+    ),
+    pytest.param(
+        E(core.FILE, SHA_A),
+        F(core.SYMLINK, target="/x"),
+        [(core.TYPE, "expected a file, found a symlink")],
+        id="type",
+    ),
+    pytest.param(
+        E(core.SYMLINK, target="/s/1"),
+        F(core.SYMLINK, target="/s/2"),
+        [(core.TARGET, "points at /s/2, expected /s/1")],
+        id="target",
+    ),
+    pytest.param(
+        E(core.ABSENT),
+        F(core.FILE, 0o644, 1, SHA_A),
+        [(core.UNEXPECTED, "a file appeared")],
+        id="appeared",
+    ),
+    pytest.param(E(core.ABSENT), F(core.ABSENT), [], id="still-absent"),
+    pytest.param(E(core.FILE), F(core.FILE, 0o600, 1, SHA_B), [], id="unchecked-fields"),
+    pytest.param(
+        None,
+        F(core.FILE, 0o644, 1, SHA_A),
+        [(core.UNEXPECTED, "a file kvcd did not put there")],
+        id="unexpected",
+    ),
+]
+
+
+@pytest.mark.parametrize(("want", "got", "diffs"), COMPARE_TABLE)
+def test_compare(want: core.Expect | None, got: core.Fact, diffs: list[tuple[str, str]]) -> None:
+    expected = {} if want is None else {"/p": want}
+    out = core.compare(expected, {"/p": got})
+    assert [(d.what, d.detail) for d in out] == diffs
+    assert all(d.path == "/p" for d in out)
+
+
+def test_reason_names_the_first_paths_and_counts_the_rest() -> None:
+    diffs = [core.Difference(f"/f{i}", core.MISSING, "") for i in range(5)]
+    assert core.reason(diffs) == "/f0: missing; /f1: missing; /f2: missing; and 2 more"
+    assert core.reason(diffs[:1]) == "/f0: missing"
+    assert core.reason([]) == ""
+
+
+# --- core: modules changed outside kvcd ------------------------------------------------------
+
+JUDGE_TABLE = [
+    pytest.param({"a": "S1"}, {"a": "S1"}, "degrade", core.KEEP, False, id="all-loaded"),
+    pytest.param({"a": "S1", "b": "S2"}, {"a": "S1"}, "degrade", core.REMOVED, False, id="removed"),
+    pytest.param({"a": "S1"}, {}, "reload", core.REMOVED, True, id="removed-reload"),
+    pytest.param({"a": "S1"}, {"a": "OTHER"}, "degrade", core.REPLACED, False, id="replaced"),
+    pytest.param({"a": "S1"}, {"a": "OTHER"}, "reload", core.REPLACED, True, id="replaced-reload"),
+    pytest.param({"a": None}, {"a": "ANY"}, "degrade", core.KEEP, False, id="unknown-srcversion"),
+    pytest.param({"a": "S1"}, {"a": None}, "degrade", core.KEEP, False, id="kernel-no-srcversion"),
+]
+
+
+@pytest.mark.parametrize(("expected", "loaded", "policy", "what", "reload"), JUDGE_TABLE)
+def test_judge_modules(
+    expected: dict[str, str | None],
+    loaded: dict[str, str | None],
+    policy: str,
+    what: str,
+    reload: bool,
+) -> None:
+    finding = core.judge_modules(expected, loaded, policy=policy)
+    assert (finding.what, finding.reload) == (what, reload)
+    if what == core.REMOVED:
+        assert "removed from the kernel outside kvcd" in finding.detail
+    if what == core.REPLACED:
+        assert "srcversion OTHER (expected S1)" in finding.detail
+
+
+def test_judge_modules_refuses_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        core.judge_modules({}, {}, policy="ignore")
+
+
+# --- core: debouncer ----------------------------------------------------------------------
+
+# (operation, key, time) -> result: note -> fires now?; due -> keys firing
+DEBOUNCE_TABLE = [
+    pytest.param([("note", "a", 0.0, True)], None, id="first-event-fires"),
+    pytest.param(
+        [("note", "a", 0.0, True), ("note", "a", 0.01, False), ("due", "", 0.05, ["a"])],
+        None,
+        id="burst-fires-trailing-once",
+    ),
+    pytest.param(
+        [("note", "a", 0.0, True), ("due", "", 0.05, []), ("note", "a", 0.06, True)],
+        None,
+        id="quiet-key-is-forgotten",
+    ),
+    pytest.param(
+        [("note", "a", 0.0, True), ("note", "b", 0.01, True), ("note", "a", 0.02, False)],
+        0.05,
+        id="per-path",
+    ),
+    pytest.param(
+        [
+            ("note", "a", 0.0, True),
+            ("note", "a", 0.01, False),
+            ("due", "", 0.04, []),
+            ("note", "a", 0.045, False),
+            ("due", "", 0.05, ["a"]),
+            ("due", "", 0.1, []),
+        ],
+        None,
+        id="held-events-fire-at-window-end-only",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ops", "deadline"), DEBOUNCE_TABLE)
+def test_debouncer(ops: list[tuple[str, str, float, object]], deadline: float | None) -> None:
+    d: core.Debouncer[str] = core.Debouncer(0.05)
+    for op, key, now, result in ops:
+        if op == "note":
+            assert d.note(key, now) is result, (op, key, now)
+        else:
+            assert d.due(now) == result, (op, now)
+    assert d.next_deadline() == (pytest.approx(deadline) if deadline is not None else None)
+
+
+# --- a fake host with one loaded instance ---------------------------------------------------
+
+
+class FakeWatch:
+    """Stands in for DirWatch: records what it would watch."""
+
+    instances: ClassVar[list[FakeWatch]] = []
+
+    def __init__(
+        self,
+        dirs: list[Path],
+        on_change: Callable[[Path], None],
+        *,
+        on_limit: Callable[[WatchLimit], None] | None = None,
+    ) -> None:
+        self.dirs = list(dirs)
+        self.on_change = on_change
+        self.on_limit = on_limit
+        self.started = self.stopped = 0
+        FakeWatch.instances.append(self)
+
+    def start(self) -> None:
+        self.started += 1
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def store(
+    root: HostRoot, version: str, modules: list[str], mode: int = 0o644, kernel: str = K
+) -> Path:
+    """An extracted version as the executor leaves it: files + manifest with sha256 and mode."""
+    d = root.store(NAME) / version / kernel
+    d.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for name in modules:
+        path = d / f"{name}.ko"
+        path.write_bytes(f"{name} {version} module bytes".encode())
+        path.chmod(mode)
+        entries[name] = {
+            "file": path.name,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "mode": mode,
+            "srcversion": f"SRC-{name}-{version}",
+        }
+    manifest = {"version": version, "kernel": kernel, "image": "test", "modules": entries}
+    (d / ".kvcd-manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[HostRoot]:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    store(root, "1.0", MODS)
+    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
+    fakehost.write(root("/usr/lib/systemd/system/kvcd@.service"), "[Service]\nType=notify\n")
+    fakehost.write(root(f"/etc/systemd/system/kvcd@{NAME}.service.d/10-env.conf"), "[Service]\n")
+    root.runtime.mkdir(parents=True, exist_ok=True)
+    FakeWatch.instances.clear()
+    Rig.monitors.clear()
+    yield root
+    # Every monitor a test started ends with it: no debounce thread outlives its test.
+    for mon in Rig.monitors:
+        mon.stop()
+
+
+class Rig:
+    """The instance loaded through the real Instance flow, and a DriftMonitor over it."""
+
+    monitors: ClassVar[list[drift.DriftMonitor]] = []  # stopped by the host fixture
+
+    def __init__(self, root: HostRoot, **cfg_changes: Any) -> None:
+        self.root = root
+        self.cfg = load_instance(root, NAME)
+        if cfg_changes:
+            import dataclasses
+
+            self.cfg = dataclasses.replace(self.cfg, **cfg_changes)
+        self.settings = load_settings(root)
+        self.posted: list[Event] = []
+        self.ctx = Context(root, NAME, K, self.settings, self.cfg, self.posted.append)
+        self.inst = Instance(root, self.settings, self.cfg, K)
+        self.record = self.inst.apply("load")
+        self.mon = drift.DriftMonitor(self.cfg, self.settings, dirwatch=FakeWatch, udev=None)
+        Rig.monitors.append(self.mon)
+        self.mon.start(self.ctx)
+        self.mon.after(self.ctx, self.record)  # kvcd's own change done: baseline
+
+    def b_ctx(self) -> Context:
+        """The same instance as seen by a daemon running on kernel B."""
+        return Context(self.root, NAME, B, self.settings, self.cfg, self.posted.append)
+
+    @property
+    def kdir(self) -> Path:
+        return self.root.kernel_dir(K)
+
+    @property
+    def tree(self) -> Path:
+        return self.root.store(NAME) / "1.0" / K
+
+    def verdict(self, *events: Event) -> Any:
+        """The verdict, with a clean check's "keep the record as it is" hold reported as None
+        (a file event alone that finds nothing wrong changes nothing)."""
+        v = self.mon.verdict(self.ctx, list(events) or [Event(drift.SOURCE, "test")])
+        if (
+            v is not None
+            and v.verb == HOLD
+            and (v.state, v.reason)
+            == (
+                self.record.state,
+                self.record.reason,
+            )
+        ):
+            return None
+        return v
+
+
+def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+def _other_instance_depmod(r: Rig) -> None:
+    """Another kvcd instance activates its tree and runs depmod (as kvcd would)."""
+    from kvcd.host import kmod
+
+    other = r.root.store("other") / "1" / K
+    other.mkdir(parents=True)
+    (other / "other_mod.ko").write_bytes(b"other")
+    kmod.activate(r.root, K, "other", other)
+    kmod.depmod(r.root, K)
+
+
+def _retarget_outside(r: Rig) -> None:
+    elsewhere = r.root("/tmp/elsewhere")
+    shutil.copytree(r.tree, elsewhere)
+    link = r.kdir / "extra" / NAME
+    link.unlink()
+    link.symlink_to(elsewhere)
+
+
+# The MCO mutation table, plus the files only kvcd has: mutation -> (what, path suffix) or None.
+MUTATIONS: list[Any] = [
+    pytest.param(
+        lambda r: (r.tree / "kvcd_base.ko").write_bytes(b"patched"),
+        (core.CONTENT, "kvcd_base.ko"),
+        id="content-change",
+    ),
+    pytest.param(lambda r: os.utime(r.tree / "kvcd_base.ko", (1, 1)), None, id="touch-only"),
+    pytest.param(
+        lambda r: os.rename(r.tree / "kvcd_base.ko", r.tree / "kvcd_base.ko.bak"),
+        (core.MISSING, "kvcd_base.ko"),
+        id="rename-away",
+    ),
+    pytest.param(
+        lambda r: (r.tree / "kvcd_user.ko").unlink(), (core.MISSING, "kvcd_user.ko"), id="delete"
+    ),
+    pytest.param(
+        lambda r: _write_atomic(r.tree / "kvcd_base.ko", (r.tree / "kvcd_base.ko").read_bytes()),
+        None,
+        id="atomic-rename-same-content",
+    ),
+    pytest.param(
+        lambda r: _write_atomic(r.tree / "kvcd_base.ko", b"new content"),
+        (core.CONTENT, "kvcd_base.ko"),
+        id="atomic-rename-new-content",
+    ),
+    pytest.param(
+        lambda r: (r.tree / "kvcd_base.ko").chmod(0o666),
+        (core.MODE, "kvcd_base.ko"),
+        id="chmod",
+    ),
+    pytest.param(
+        lambda r: (r.tree / "rogue.ko").write_bytes(b"x"),
+        (core.UNEXPECTED, "rogue.ko"),
+        id="unexpected-module",
+    ),
+    pytest.param(
+        lambda r: shutil.rmtree(r.tree),
+        (core.MISSING, ".kvcd-manifest.json"),
+        id="store-tree-deleted",
+    ),
+    pytest.param(
+        lambda r: (r.kdir / "extra" / NAME).unlink(),
+        (core.MISSING, f"extra/{NAME}"),
+        id="link-gone",
+    ),
+    pytest.param(_retarget_outside, (core.TARGET, f"extra/{NAME}"), id="link-retargeted"),
+    pytest.param(
+        lambda r: (r.kdir / "modules.dep").write_text("extra/e2e/kvcd_base.ko: evil.ko\n"),
+        (core.CONTENT, "modules.dep"),
+        id="modules.dep-edited",
+    ),
+    pytest.param(
+        lambda r: (r.kdir / "modules.dep").chmod(0o666),
+        (core.MODE, "modules.dep"),
+        id="modules.dep-chmod",
+    ),
+    pytest.param(
+        lambda r: (r.kdir / "modules.dep").unlink(),
+        (core.MISSING, "modules.dep"),
+        id="modules.dep-deleted",
+    ),
+    pytest.param(
+        lambda r: (r.kdir / "modules.weakdep").write_text("weakdep x y\n"),
+        (core.UNEXPECTED, "modules.weakdep"),
+        id="unexpected-index",
+    ),
+    pytest.param(_other_instance_depmod, None, id="other-kvcd-instance-ran-depmod"),
+    pytest.param(
+        lambda r: (r.kdir / "modules.order").write_text("kernel/x.ko\n"),
+        None,
+        id="copied-input-not-an-index",
+    ),
+    pytest.param(
+        lambda r: fakehost.write(
+            r.root(f"/etc/systemd/system/kvcd@{NAME}.service.d/20-evil.conf"), "[Service]\n"
+        ),
+        (core.UNEXPECTED, "20-evil.conf"),
+        id="drop-in-added",
+    ),
+    pytest.param(
+        lambda r: r.root(f"/etc/systemd/system/kvcd@{NAME}.service.d/10-env.conf").write_text("x"),
+        (core.CONTENT, "10-env.conf"),
+        id="drop-in-changed",
+    ),
+    pytest.param(
+        lambda r: fakehost.write(r.root("/etc/systemd/system/kvcd@.service"), "[Service]\n"),
+        (core.UNEXPECTED, "/etc/systemd/system/kvcd@.service"),
+        id="unit-overridden-in-etc",
+    ),
+    pytest.param(
+        lambda r: r.root("/usr/lib/systemd/system/kvcd@.service").chmod(0o600),
+        (core.MODE, "/usr/lib/systemd/system/kvcd@.service"),
+        id="unit-chmod",
+    ),
+]
+
+
+@pytest.mark.parametrize(("mutate", "expect"), MUTATIONS)
+def test_mutation_table(
+    host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    r = Rig(host)
+    assert r.verdict() is None  # baseline: clean
+    mutate(r)
+    v = r.verdict()
+    if expect is None:
+        assert v is None, v
+        return
+    what, suffix = expect
+    assert v is not None and v.verb == HOLD and v.state == state.DEGRADED, v
+    assert v.reason.startswith(f"{state.DRIFT}: "), v.reason
+    hits = [d for d in r.mon.validate(r.ctx) if d.what == what and d.path.endswith(suffix)]
+    assert hits, v.reason
+    assert f"{hits[0].path}: {what}" in v.reason
+    assert "module bytes" not in v.reason and "evil" not in v.reason.replace("20-evil", "")
+
+
+def test_other_instance_depmod_updates_the_node_record(host: HostRoot) -> None:
+    r = Rig(host)
+    record = drift.depmod_record_path(host, K)
+    before = json.loads(record.read_text())
+    _other_instance_depmod(r)
+    assert r.verdict() is None
+    after = json.loads(record.read_text())
+    assert after != before
+    dep = (r.kdir / "modules.dep").read_bytes()
+    assert after["files"]["modules.dep"]["sha256"] == hashlib.sha256(dep).hexdigest()
+
+
+def test_restart_remembers_the_depmod_expectation(host: HostRoot) -> None:
+    r = Rig(host)
+    (r.kdir / "modules.dep").write_text("tampered\n")
+    r.mon.stop()
+    again = drift.DriftMonitor(r.cfg, r.settings, dirwatch=FakeWatch, udev=None)
+    Rig.monitors.append(again)
+    again.start(r.ctx)
+    v = again.verdict(r.ctx, [Event("start")])
+    assert v is not None and "modules.dep: content" in v.reason
+
+
+# --- through the service loop: hold, no changes, recovery by itself, force file -------------
+
+
+class Quiet(Notifier):
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def notify(self, *assignments: str) -> bool:
+        return True
+
+
+def _service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> tuple[Service, list[Any]]:
+    made: list[Any] = []
+
+    def build(cfg: Any, settings: Settings) -> list[Any]:
+        made.append(drift.DriftMonitor(cfg, settings, dirwatch=FakeWatch, udev=None))
+        return made[-1:]
+
+    monkeypatch.setattr(extensions, "build", build)
+    return Service(host, NAME, K, Quiet()), made
+
+
+def test_drift_holds_then_recovers_to_done_without_a_command(
+    host: HostRoot, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc, _ = _service(host, monkeypatch)
+    rec = svc.reconcile([Event("start")])
+    assert rec is not None and rec.state == state.DONE
+    ko = host.store(NAME) / "1.0" / K / "kvcd_user.ko"
+    good = ko.read_bytes()
+    ko.write_bytes(b"edited by hand")
+    calls = len(fake_commands.calls())
+    rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
+    assert rec is not None and rec.state == state.DEGRADED
+    assert rec.reason.startswith(f"Drift: {ko}: content (size 14, sha256 ")
+    assert fake_commands.calls()[calls:] == []  # held: nothing ran, nothing loaded/unloaded
+    assert Record.read(host, NAME).state == state.DEGRADED  # type: ignore[union-attr]
+    # Still drifted on the periodic check.
+    rec = svc.reconcile([Event(drift.SOURCE, "timer")])
+    assert rec is not None and rec.state == state.DEGRADED
+    ko.write_bytes(good)
+    rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
+    assert rec is not None and (rec.state, rec.reason) == (state.DONE, "")
+    svc.stop_extensions()
+
+
+def test_force_file_is_consumed_once_and_reapplies(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    r = Rig(host)
+    (r.tree / "kvcd_base.ko").write_bytes(b"drifted")
+    fakehost.write(host(f"/etc/systemd/system/kvcd@{NAME}.service.d/30-new.conf"), "[Service]\n")
+    assert r.verdict() is not None
+    force = host.force_file(NAME)
+    force.write_text("")
+    caplog.set_level(logging.INFO)
+    assert r.verdict() is None  # reconcile normally: the plan re-extracts and re-links
+    assert not force.exists()
+    assert not r.tree.exists()  # the drifted tree was dropped for re-extraction
+    assert not drift.baseline_path(host, NAME).exists()
+    assert any(getattr(x, "MESSAGE_ID", "") == journal.MSG_DRIFT_FORCED for x in caplog.records)
+    # The re-applied tree (what the plan's Extract would write), then after(): new baseline.
+    store(host, "1.0", MODS)
+    r.mon.after(r.ctx, r.inst.apply("load"))
+    assert r.verdict() is None  # the new drop-in is now part of the baseline
+    assert r.mon.consume_force(r.ctx) is False  # one-shot: nothing left to consume
+    units = json.loads(drift.baseline_path(host, NAME).read_text())["units"]
+    assert any(p.endswith("30-new.conf") for p in units)
+
+
+def test_events_during_kvcds_own_change_are_not_drift(host: HostRoot) -> None:
+    """A version switch rewrites the link and modules.dep; the expectation follows it."""
+    r = Rig(host)
+    store(host, "2.0", MODS)
+    fakehost.write_config(host, NAME, CONFIG.format(v="2.0"))
+    cfg2 = load_instance(host, NAME)
+    r.ctx.cfg = cfg2
+    r.mon.cfg = cfg2
+    assert r.verdict(Event("signal", "reload")) is None  # preflight before the change: clean
+    rec = Instance(host, r.settings, cfg2, K).apply("load")
+    r.mon.after(r.ctx, rec)
+    # The watch events of that change arrive after it: they find nothing wrong.
+    r.record = rec
+    assert r.verdict(Event(drift.SOURCE, str(r.kdir / "modules.dep"))) is None
+    base = json.loads(drift.baseline_path(host, NAME).read_text())
+    assert base["trees"][K]["link"].endswith(f"2.0/{K}")
+    assert r.verdict() is None
+
+
+# --- the expectation is per kernel ----------------------------------------------------------
+
+B = "6.1.0-9001-amd64"  # another kernel in the module root (a next kernel, or a reboot into it)
+
+
+def _prepare_b(r: Rig) -> None:
+    """What the next-kernel preparation leaves for B: B's module tree, no extra/<instance>."""
+    from kvcd.host import kmod
+
+    (r.root.system_modules(B) / "kernel").mkdir(parents=True)
+    (r.root.system_modules(B) / "modules.builtin").write_text("")
+    kmod.prepare_kernel_tree(r.root, B)
+
+
+def _activate_b(r: Rig) -> None:
+    """kvcd itself activated the instance on B (a start on B, or a build ahead) and recorded it."""
+    from kvcd.host import kmod
+
+    _prepare_b(r)
+    d = store(r.root, "1.0", MODS, kernel=B)
+    kmod.activate(r.root, B, NAME, d)
+    r.mon.after(r.b_ctx(), r.record)
+
+
+def _unlink(r: Rig, kernel: str) -> None:
+    (r.root.kernel_dir(kernel) / "extra" / NAME).unlink()
+
+
+# setup for B, mutation, the kernel the check runs on -> (what, path suffix) or None (clean)
+PER_KERNEL: list[Any] = [
+    pytest.param(_prepare_b, lambda r: None, B, None, id="never-activated-on-B-absent-is-fine"),
+    pytest.param(_prepare_b, lambda r: None, K, None, id="A-unaffected-by-B"),
+    pytest.param(
+        _prepare_b,
+        lambda r: _unlink(r, K),
+        K,
+        (core.MISSING, f"{K}/extra/{NAME}"),
+        id="A-link-gone-still-drift",
+    ),
+    pytest.param(_activate_b, lambda r: None, B, None, id="activated-on-B-clean"),
+    pytest.param(
+        _activate_b,
+        lambda r: _unlink(r, B),
+        B,
+        (core.MISSING, f"{B}/extra/{NAME}"),
+        id="activated-on-B-link-gone",
+    ),
+    pytest.param(_activate_b, lambda r: _unlink(r, B), K, None, id="B-link-gone-A-clean"),
+    pytest.param(
+        _activate_b,
+        lambda r: _unlink(r, K),
+        B,
+        None,
+        id="A-link-gone-B-clean",
+    ),
+]
+
+
+@pytest.mark.parametrize(("setup", "mutate", "kernel", "expect"), PER_KERNEL)
+def test_link_expectation_is_per_kernel(
+    host: HostRoot,
+    setup: Callable[[Rig], object],
+    mutate: Callable[[Rig], object],
+    kernel: str,
+    expect: tuple[str, str] | None,
+) -> None:
+    r = Rig(host)
+    setup(r)
+    mutate(r)
+    ctx = r.ctx if kernel == K else r.b_ctx()
+    diffs = r.mon.validate(ctx)
+    links = [d for d in diffs if d.path.endswith(f"/extra/{NAME}")]
+    if expect is None:
+        assert links == [], links
+        return
+    what, suffix = expect
+    assert [(d.what, d.path.endswith(suffix)) for d in links] == [(what, True)], links
+
+
+def test_first_start_on_a_prepared_kernel_is_not_drift(host: HostRoot) -> None:
+    """The reboot into a kernel kvcd prepared ahead: its baseline has no link for that kernel,
+    so the first start there is not held (the records of A stay for A)."""
+    r = Rig(host)
+    _prepare_b(r)
+    ctx = r.b_ctx()
+    r.mon.stop()
+    again = drift.DriftMonitor(r.cfg, r.settings, dirwatch=FakeWatch, udev=None)
+    Rig.monitors.append(again)
+    again.start(ctx)
+    assert again.verdict(ctx, [Event("start")]) is None
+    store(host, "1.0", MODS, kernel=B)  # prepared ahead: already extracted for B
+    rec = Instance(host, r.settings, r.cfg, B).apply("load")
+    again.after(ctx, rec)
+    trees = json.loads(drift.baseline_path(host, NAME).read_text())["trees"]
+    assert sorted(trees) == sorted([B, K])
+    assert trees[B]["link"] and trees[K]["link"]
+    assert again.verdict(ctx, [Event(drift.SOURCE, "timer")]) is not None  # held as recorded
+    assert again.validate(ctx) == []
+
+
+# --- watch limit (ENOSPC) -----------------------------------------------------------------
+
+
+class LimitedObserver:
+    """A watchdog observer whose watches fail the way inotify_add_watch does at the limit."""
+
+    def __init__(self, err: int = errno.ENOSPC) -> None:
+        self.err = err
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+
+    def schedule(self, *_a: Any, **_k: Any) -> Any:
+        raise OSError(self.err, "inotify watch limit reached")
+
+    def unschedule(self, _w: Any) -> None:
+        return None
+
+    def stop(self) -> None:
+        self.alive = False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EMFILE])
+def test_dirwatch_start_raises_watchlimit(tmp_path: Path, err: int) -> None:
+    w = DirWatch([tmp_path], lambda _p: None, observer_factory=lambda: LimitedObserver(err))
+    with pytest.raises(WatchLimit, match="inotify limit"):
+        w.start()
+    assert not w.running and w.limited
+
+
+def test_watch_limit_keeps_running_on_periodic_checks(
+    host: HostRoot, caplog: pytest.LogCaptureFixture
+) -> None:
+    def limited(dirs: list[Path], cb: Callable[[Path], None], **kw: Any) -> DirWatch:
+        return DirWatch(dirs, cb, observer_factory=LimitedObserver, **kw)
+
+    cfg = load_instance(host, NAME)
+    settings = parse_settings_toml(host.main_config, "drift_interval = 120\n")
+    ctx = Context(host, NAME, K, settings, cfg, lambda _e: None)
+    Instance(host, settings, cfg, K).apply("load")
+    caplog.set_level(logging.INFO)
+    mon = drift.DriftMonitor(cfg, settings, dirwatch=limited, udev=None)
+    mon.start(ctx)  # does not raise
+    assert mon.limited and mon.interval() == 120.0
+    periodic = [
+        x for x in caplog.records if getattr(x, "MESSAGE_ID", "") == journal.MSG_DRIFT_PERIODIC
+    ]
+    assert periodic and "periodic checks only" in periodic[0].getMessage()
+    line = status.render(status.collect(host, NAME))
+    assert (
+        "drift: periodic checks only (inotify limit: inotify watch limit reached), every 120s"
+        in line
+    )
+    # The periodic check still finds drift.
+    (host.store(NAME) / "1.0" / K / "kvcd_base.ko").write_bytes(b"x")
+    v = mon.verdict(ctx, [Event(drift.SOURCE, "timer")])
+    assert v is not None and v.verb == HOLD
+    mon.stop()
+    assert "drift:" not in status.render(status.collect(host, NAME))
+
+
+def test_status_says_how_many_files_are_watched(host: HostRoot) -> None:
+    r = Rig(host)
+    out = status.render(status.collect(host, NAME))
+    assert f"drift: watching {r.mon.files} files" in out
+    # 2 modules + link + modules.dep + 2 unit files + 1 drop-in
+    assert r.mon.files == 7
+
+
+# --- what is watched, and which changes are triggers ----------------------------------------
+
+INTERESTING = [
+    pytest.param(False, lambda r: r.root.force_file(NAME), True, id="force-file"),
+    pytest.param(False, lambda r: r.root.force_file("other"), False, id="other-force-file"),
+    pytest.param(False, lambda r: r.root.pid_file(NAME), False, id="pid-file"),
+    pytest.param(False, lambda r: r.cfg.source, False, id="config-not-watched"),
+    pytest.param(True, lambda r: r.cfg.source, True, id="config-watched"),
+    pytest.param(True, lambda r: r.cfg.source.with_name("x.toml"), False, id="other-config"),
+    pytest.param(False, lambda r: r.kdir / "modules.dep.bin", True, id="index"),
+    pytest.param(False, lambda r: r.kdir / "modules.dep.tmp", False, id="depmod-scratch"),
+    pytest.param(
+        False,
+        lambda r: r.kdir / "modules.dep.bin.32704.546824.1795332315",
+        False,
+        id="depmod-scratch-kmod30",
+    ),
+    pytest.param(False, lambda r: r.kdir / "modules.order", False, id="copied-input"),
+    pytest.param(False, lambda r: r.kdir / "modules.weakdep", True, id="other-index"),
+    pytest.param(
+        False,
+        lambda r: r.root.kernel_dir("6.1.0-9001-amd64") / "modules.dep",
+        False,
+        id="other-kernel-index",
+    ),
+    pytest.param(False, lambda r: r.root.state_file(NAME), False, id="state-file"),
+    pytest.param(False, lambda r: drift.depmod_record_path(r.root, K), False, id="drift-record"),
+    pytest.param(
+        False,
+        lambda r: drift.drift_dir(r.root) / ".regen-1" / "x",
+        False,
+        id="regenerate-scratch",
+    ),
+    pytest.param(
+        False, lambda r: r.root.store(NAME) / "1.0" / "6.1.0-9001-amd64", False, id="B-tree"
+    ),
+    pytest.param(False, lambda r: r.kdir / "extra" / NAME, True, id="own-link"),
+    pytest.param(False, lambda r: r.kdir / "extra" / "other", False, id="other-link"),
+    pytest.param(False, lambda r: r.tree / "kvcd_base.ko", True, id="module-file"),
+    pytest.param(
+        False,
+        lambda r: r.root(f"/etc/systemd/system/kvcd@{NAME}.service.d/x.conf"),
+        True,
+        id="drop-in",
+    ),
+    pytest.param(False, lambda r: r.root("/etc/systemd/system/sshd.service"), False, id="unit"),
+]
+
+
+@pytest.mark.parametrize(("watch_config", "path", "expected"), INTERESTING)
+def test_interesting(
+    host: HostRoot, watch_config: bool, path: Callable[[Rig], Path], expected: bool
+) -> None:
+    r = Rig(host, watch_config=watch_config)
+    assert r.mon.interesting(Path(os.path.abspath(path(r)))) is expected
+    watched = set(FakeWatch.instances[-1].dirs)
+    assert (r.cfg.source.parent in watched) is watch_config
+    assert {host.runtime, r.kdir, r.kdir / "extra", r.tree} <= watched
+
+
+def test_debounced_trigger_posts_once_then_trailing(host: HostRoot) -> None:
+    now = [100.0]
+    r = Rig(host)
+    mon = drift.DriftMonitor(r.cfg, r.settings, dirwatch=FakeWatch, udev=None, clock=lambda: now[0])
+    mon.start(r.ctx)
+    dep = r.kdir / "modules.dep"
+    mon.on_change(dep)
+    mon.on_change(dep)  # within the window: held, fires once at its end
+    assert [e.what for e in r.posted] == [str(dep)]
+    now[0] += 1.0
+    with mon._cond:
+        mon._cond.notify_all()
+    deadline = 200
+    while len(r.posted) < 2 and deadline:
+        with mon._cond:
+            mon._cond.wait(0.01)
+        deadline -= 1
+    assert [e.what for e in r.posted] == [str(dep), str(dep)]
+    mon.on_change(host("/etc/hostname"))
+    assert len(r.posted) == 2
+    mon.stop()
+
+
+def test_config_edit_reconciles_only_with_watch_config(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """watch_config = true: the edit itself is the reload (the service re-reads the config)."""
+    svc, made = _service(host, monkeypatch)
+    assert svc.reconcile([Event("start")]) is not None
+    mon = made[-1]
+    assert mon.interesting(mon.cfg.source) is False
+    store(host, "2.0", MODS)
+    fakehost.write_config(
+        host, NAME, CONFIG.format(v="2.0").replace("[build]", "watch_config = true\n[build]")
+    )
+    # The edit of a watched config posts a trigger; the reconcile it causes applies 2.0.
+    rec = svc.reconcile([Event(drift.SOURCE, str(mon.cfg.source))])
+    assert rec is not None and (rec.state, rec.version) == (state.DONE, "2.0")
+    assert made[-1] is not mon and made[-1].interesting(made[-1].cfg.source) is True
+    svc.stop_extensions()
+
+
+# --- out-of-band module changes (the udev seam) ---------------------------------------------
+
+
+class Device:
+    def __init__(self, action: str | None, sys_name: str | None) -> None:
+        self.action = action
+        self.sys_name = sys_name
+
+
+@pytest.mark.parametrize(
+    ("device", "event"),
+    [
+        (Device("remove", "kvcd_base"), ModuleEvent("remove", "kvcd_base")),
+        (Device("add", "kvcd_user"), ModuleEvent("add", "kvcd_user")),
+        (Device("change", "kvcd_user"), None),
+        (Device(None, "kvcd_user"), None),
+        (Device("add", ""), None),
+    ],
+)
+def test_module_event(device: Device, event: ModuleEvent | None) -> None:
+    assert module_event(device) == event
+
+
+def test_module_events_post_only_for_instance_modules(host: HostRoot) -> None:
+    r = Rig(host)
+    r.mon.on_module_event(ModuleEvent("remove", "kvcd_base"))
+    r.mon.on_module_event(ModuleEvent("remove", "snd_hda"))
+    r.mon.on_module_event(ModuleEvent("add", "kvcd-user"))
+    assert [e.what for e in r.posted] == ["udev remove kvcd_base", "udev add kvcd-user"]
+
+
+def _rmmod(r: Rig) -> None:
+    shutil.rmtree(r.root.sys_module / "kvcd_user")
+
+
+def _replace(r: Rig) -> None:
+    (r.root.sys_module / "kvcd_base" / "srcversion").write_text("FOREIGN\n")
+
+
+UDEV = "udev remove kvcd_user"
+MODULE_TABLE = [
+    pytest.param("degrade", _rmmod, UDEV, state.MODULE_REMOVED, id="rmmod-degrades"),
+    pytest.param("reload", _rmmod, UDEV, None, id="rmmod-reloads"),
+    pytest.param("degrade", _replace, "udev add kvcd_base", state.MODULE_REPLACED, id="replaced"),
+    pytest.param("reload", _replace, "udev add kvcd_base", None, id="replaced-reloads"),
+    pytest.param("degrade", lambda r: None, "udev add kvcd_user", None, id="nothing-changed"),
+]
+
+
+@pytest.mark.parametrize(("policy", "mutate", "what", "code"), MODULE_TABLE)
+def test_module_changes_outside_kvcd(
+    host: HostRoot,
+    policy: str,
+    mutate: Callable[[Rig], None],
+    what: str,
+    code: str | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r = Rig(host, on_external_unload=policy)
+    for name in MODS:  # srcversions as the manifest recorded them
+        (host.sys_module / name / "srcversion").write_text(f"SRC-{name}-1.0\n")
+    assert r.verdict(Event(drift.SOURCE, "udev add kvcd_base")) is None
+    mutate(r)
+    caplog.set_level(logging.INFO)
+    v = r.verdict(Event(drift.SOURCE, what))
+    if code is None:
+        assert v is None
+    else:
+        assert v is not None and v.verb == HOLD and v.state == state.DEGRADED
+        assert v.reason.startswith(f"{code}: ")
+    ext = [x for x in caplog.records if getattr(x, "MESSAGE_ID", "") == journal.MSG_MODULE_EXTERNAL]
+    assert bool(ext) is (mutate is not MODULE_TABLE[-1].values[1])
+
+
+def test_reload_signal_reloads_a_removed_module(host: HostRoot) -> None:
+    r = Rig(host)
+    _rmmod(r)
+    assert r.verdict(Event(drift.SOURCE, UDEV)) is not None
+    assert r.verdict(Event("signal", "reload")) is None  # systemctl reload: reconcile (reload)
+
+
+# --- config keys --------------------------------------------------------------------------
+
+BASE = 'version = "1"\nmodules = ["m"]\n[build]\ncontext = "/src"\n'
+CONFIG_TABLE = [
+    pytest.param("", (False, "degrade"), None, id="defaults"),
+    pytest.param("watch_config = true\n", (True, "degrade"), None, id="watch-config"),
+    pytest.param('on_external_unload = "reload"\n', (False, "reload"), None, id="reload"),
+    pytest.param(
+        'watch_config = "yes"\n',
+        None,
+        "x.toml:1: 'watch_config' must be true or false",
+        id="bad-bool",
+    ),
+    pytest.param(
+        '\non_external_unload = "ignore"\n',
+        None,
+        'x.toml:2: \'on_external_unload\' must be one of "degrade", "reload", got "ignore"',
+        id="bad-policy",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "values", "error"), CONFIG_TABLE)
+def test_instance_keys(text: str, values: tuple[bool, str] | None, error: str | None) -> None:
+    path = Path("/etc/kvcd/instances/x.toml")
+    if error is None:
+        cfg = parse_instance_toml("x", path, text + BASE)
+        assert (cfg.watch_config, cfg.on_external_unload) == values
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_instance_toml("x", path, text + BASE)
+    assert str(path) in str(info.value) and error in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "value", "error"),
+    [
+        ("", 300, None),
+        ("drift_interval = 60\n", 60, None),
+        ("drift_interval = 1\n", None, "between 10 and 86400 seconds, got 1"),
+        ("drift_interval = 1.5\n", None, "must be an integer number of seconds, got 1.5"),
+        ('drift_interval = "5m"\n', None, 'must be an integer number of seconds, got "5m"'),
+    ],
+)
+def test_drift_interval(text: str, value: int | None, error: str | None) -> None:
+    path = Path("/etc/kvcd/kvcd.toml")
+    if error is None:
+        assert parse_settings_toml(path, text).drift_interval == value
+        return
+    with pytest.raises(ConfigError) as info:
+        parse_settings_toml(path, text)
+    assert "/etc/kvcd/kvcd.toml:1: 'drift_interval'" in str(info.value)
+    assert error in str(info.value)
+
+
+def test_drift_goes_first_in_the_extension_set(host: HostRoot) -> None:
+    cfg = load_instance(host, NAME)
+    exts = extensions.build(cfg, Settings())
+    assert isinstance(exts[0], drift.DriftMonitor)

@@ -1,0 +1,523 @@
+"""The next-kernel preparation and its extension on a fake host.
+
+Podman is test_instance's recording fake; depmod/modprobe are fake commands (tests/fakehost.py).
+The kABI check itself runs on real modules in tests/integration/test_weak_updates.py; here its
+verdict is a row of the table, so every branch of the decision is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
+from kvcd.daemon import nextkernel, status
+from kvcd.daemon.events import Context, Event
+from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
+from kvcd.daemon.observe import read_manifest, store_dir
+from kvcd.daemon.record import Record
+from kvcd.host import journal, kmod
+from kvcd.host.bootloader import NextBoot
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+from tests.unit.test_instance import FakePodman
+
+A = "6.1.0-56-amd64"
+B = "6.1.0-57-amd64"
+NAME = "e2e"
+# fakehost's depmod, also indexing weak-updates/ as the real one does.
+DEPMOD = fakehost.DEPMOD.replace("find -L extra", "find -L extra weak-updates")
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, A)
+    (root.system_modules(B) / "kernel").mkdir(parents=True)
+    (root.system_modules(B) / "modules.builtin").write_text("")
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    fake_commands.add("depmod", DEPMOD)
+
+    def fake_modinfo(path: Path) -> dict[str, list[str]]:
+        # FakePodman writes "<module> <image ref>"; the ref's tag is the kernel it was built for.
+        data = path.read_bytes().decode()
+        return {"vermagic": [f"{data.rsplit(':', 1)[-1]} SMP"], "srcversion": ["abc"]}
+
+    monkeypatch.setattr(kmod, "modinfo", fake_modinfo)
+    return root
+
+
+def config(root: HostRoot, **kw: Any) -> InstanceConfig:
+    return InstanceConfig(
+        name=NAME,
+        source=root("/etc/kvcd/instances/e2e.toml"),
+        version="1.0",
+        modules=(ModuleSpec("kvcd_base"), ModuleSpec("kvcd_user")),
+        build=BuildSource("/src"),
+        **kw,
+    )
+
+
+def next_boot(root: HostRoot, kernel: str | None = B) -> NextBoot:
+    if kernel is None:
+        return NextBoot(None, "unknown", "no boot entries")
+    return NextBoot(kernel, "grubenv", "saved_entry", root.system_modules(kernel))
+
+
+def running_extraction(root: HostRoot) -> Path:
+    return fakehost.store_version(root, NAME, "1.0", A, ["kvcd_base", "kvcd_user"])
+
+
+def weak_verdict(compatible: bool) -> Any:
+    def check(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot) -> Any:
+        if compatible:
+            return store_dir(root, cfg.name, cfg.version, running), ""
+        return None, f"kABI-incompatible with {nb.kernel}: kvcd_base: 0 missing, 1 with another CRC"
+
+    return check
+
+
+def builds(pod: FakePodman) -> list[str]:
+    return [spec.build_args["KVER"] for what, spec in pod.calls if what == "build"]
+
+
+# --- prepare(): the decision table ---------------------------------------------------------
+
+ROWS = [
+    # (case, kabi knob, kABI verdict, next kernel, expected state, reason starts with, built for)
+    ("same-kernel", "weak-updates-first", True, A, "", "", []),
+    ("unknown", "weak-updates-first", True, None, "", "", []),
+    (
+        "not-installed",
+        "weak-updates-first",
+        True,
+        "6.1.0-99-amd64",
+        FAILED,
+        "kernel 6.1.0-99-amd64 is not installed",
+        [],
+    ),
+    ("weak", "weak-updates-first", True, B, READY, "weak-updates from", []),
+    (
+        "incompatible",
+        "weak-updates-first",
+        False,
+        B,
+        READY,
+        f"built for {B} (kABI-incompatible",
+        [B],
+    ),
+    ("rebuild-knob", "rebuild", True, B, READY, f"built for {B} (kabi = rebuild)", [B]),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "kabi", "compatible", "kernel", "want", "reason", "built"),
+    ROWS,
+    ids=[r[0] for r in ROWS],
+)
+def test_prepare(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    kabi: str,
+    compatible: bool,
+    kernel: str | None,
+    want: str,
+    reason: str,
+    built: list[str],
+) -> None:
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(compatible))
+    pod = FakePodman(host, B)
+    cfg = config(host, kabi=kabi)
+    out = nextkernel.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
+    assert out.state == want
+    assert out.reason.startswith(reason), out.reason
+    assert builds(pod) == built
+    if want != READY:
+        if kernel and kernel != A:
+            assert not store_dir(host, NAME, "1.0", kernel).exists()
+        return
+    assert kernel is not None
+    target = store_dir(host, NAME, "1.0", kernel)
+    linked = kmod.weak_updates_store(host, kernel, NAME) if case == "weak" else None
+    active = kmod.active_store(host, kernel, NAME)
+    assert (linked or active) == target
+    manifest = read_manifest(target)
+    assert manifest is not None and manifest["kernel"] == kernel
+    assert manifest.get("weak_updates_from") == (A if case == "weak" else None)
+    # Ready means prepared: asking again changes nothing and builds nothing.
+    again = nextkernel.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
+    assert again.state == READY and builds(pod) == built
+    assert again.reason == (
+        f"weak-updates from {A} (kABI-compatible)" if case == "weak" else f"built for {B}"
+    )
+
+
+def test_failed_build_leaves_no_link_for_the_next_kernel(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(False))
+    pod = FakePodman(host, B)
+    pod.fail_build = True
+    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
+    assert out.state == FAILED
+    assert out.reason.startswith("BuildFailed: build failed at STEP 2/2")
+    assert "kABI-incompatible" in out.reason
+    assert kmod.active_store(host, B, NAME) is None
+    assert not store_dir(host, NAME, "1.0", B).exists()
+
+
+def test_depmod_failure_undoes_the_weak_link(
+    host: HostRoot, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weak link and its store tree go again; then the build path fails the same way."""
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
+    fake_commands.add("depmod", "echo 'depmod: FATAL: could not open modules.order' >&2; exit 1\n")
+    pod = FakePodman(host, B)
+    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
+    assert out.state == FAILED
+    assert "weak-updates failed: depmod -b" in out.reason
+    assert kmod.weak_updates_store(host, B, NAME) is None
+    assert kmod.active_store(host, B, NAME) is None
+    assert not list(host.store(NAME).glob(f"1.0/.{B}*"))
+
+
+def test_kvc_hook_instance_cannot_prepare_ahead(host: HostRoot) -> None:
+    lib = host("/usr/lib/kvc/e2e-lib.sh")
+    out = nextkernel.prepare(
+        host, Settings(), config(host, kvc_lib=lib), A, next_boot(host), FakePodman
+    )
+    assert out == Outcome(B, FAILED, f"{lib} (a KVC hook library) builds at boot, not ahead")
+
+
+# --- the extension ------------------------------------------------------------------------
+
+
+class FakeWatch:
+    def __init__(self, dirs: Any, on_change: Any, fail: bool = False) -> None:
+        self.dirs = list(dirs)
+        self.on_change = on_change
+        self.fail = fail
+        self.stopped = False
+
+    def start(self) -> None:
+        if self.fail:
+            raise OSError(28, "inotify watch limit reached")
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def context(root: HostRoot, cfg: InstanceConfig, kernel: str = A) -> tuple[Context, list[Event]]:
+    posted: list[Event] = []
+    ctx = Context(
+        root=root,
+        name=NAME,
+        kernel=kernel,
+        settings=Settings(),
+        cfg=cfg,
+        post=posted.append,
+        fields={"KVCD_INSTANCE": NAME},
+    )
+    return ctx, posted
+
+
+def record(root: HostRoot, kernel: str = A, **kw: Any) -> Record:
+    rec = Record(instance=NAME, state="Done", version="1.0", kernel=kernel, **kw)
+    rec.write(root)
+    return rec
+
+
+def test_extension_prepares_on_start_and_on_watch_events(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(False))
+    answers = [next_boot(host, None), next_boot(host, B)]
+    asked: list[int] = []
+
+    def detector(root: HostRoot) -> NextBoot:
+        asked.append(1)
+        return answers[min(len(asked), len(answers)) - 1]
+
+    pod = FakePodman(host, B)
+    watches: list[FakeWatch] = []
+
+    def watch(dirs: Any, cb: Any) -> FakeWatch:
+        watches.append(FakeWatch(dirs, cb))
+        return watches[-1]
+
+    ext = NextKernel(Settings(), detector=detector, podman=lambda: pod, watch=watch)
+    ctx, posted = context(host, config(host))
+    ext.start(ctx)
+    assert host("/boot/loader/entries") in watches[0].dirs
+    assert ext.interval() is None  # inotify, no timer
+
+    def cycle(events: list[Event]) -> Any:
+        """What the service does with a batch: verdict, then the after-hook on the record."""
+        got = ext.verdict(ctx, events)
+        assert ext.after(ctx, rec) is None
+        return got
+
+    # Start: no detection, no build inside the start's reconcile (READY=1 would wait); a cycle
+    # of its own is requested instead.
+    rec = record(host)
+    assert cycle([Event("start", retry=True)]) is None
+    assert asked == [] and posted == [Event("next-kernel", "look for the next kernel")]
+    # Another extension's event before that: no second request.
+    cycle([Event("drift", "timer")])
+    assert len(posted) == 1
+    # The requested cycle: the instance is held as it is; nothing known yet.
+    hold = cycle(posted[:])
+    assert hold is not None and (hold.verb, hold.state) == ("hold", "Done")
+    assert len(asked) == 1 and (rec.next_kernel, rec.next_kernel_state) == ("", "")
+    # A reconcile without an event of ours does not look again.
+    cycle([Event("drift", "timer")])
+    assert len(asked) == 1 and len(posted) == 1
+
+    # A kernel is installed: the watch fires, the next cycle (ours alone) prepares it.
+    watches[0].on_change(host("/boot/initrd.img-6.1.0-57-amd64"))  # not a boot-config change
+    assert len(posted) == 1
+    watches[0].on_change(host("/boot/loader/entries/x.conf"))
+    assert posted[-1] == Event("next-kernel", str(host("/boot/loader/entries/x.conf")))
+    cycle(posted[-1:])
+    assert builds(pod) == [B] and len(asked) == 2
+    saved = Record.read(host, NAME)
+    assert saved is not None
+    assert (saved.next_kernel, saved.next_kernel_state) == (B, READY)
+    assert saved.next_kernel_reason.startswith(f"built for {B}")
+    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
+    assert saved.state == "Done"  # the running instance is untouched
+    # A reconcile of the instance rewrites its record; the after-hook puts the fields back.
+    fresh = record(host)
+    ext.after(ctx, fresh)
+    assert Record.read(host, NAME).next_kernel == B  # type: ignore[union-attr]
+    # `kvcd status` shows it.
+    text = status.render(status.collect(host, NAME))
+    assert f"  next kernel {B}: ready (built for {B}" in text
+    ext.stop()
+    assert watches[0].stopped
+
+
+def test_watch_limit_falls_back_to_a_slow_timer(host: HostRoot) -> None:
+    ext = NextKernel(
+        Settings(),
+        detector=lambda _r: NONE_BOOT,
+        watch=lambda dirs, cb: FakeWatch(dirs, cb, fail=True),
+    )
+    ctx, _ = context(host, config(host))
+    ext.start(ctx)
+    assert ext.interval() == nextkernel.FALLBACK_INTERVAL
+
+
+NONE_BOOT = NextBoot(None, "unknown", "nothing")
+
+
+def test_rpm_ostree_dirs_are_watched_only_on_ostree_hosts(host: HostRoot) -> None:
+    ext = NextKernel(Settings())
+    assert host("/run/ostree") not in ext.watch_dirs(host)
+    host("/run").mkdir(exist_ok=True)
+    host("/run/ostree-booted").write_text("")
+    (host("/ostree/deploy/fedora/deploy")).mkdir(parents=True)
+    dirs = ext.watch_dirs(host)
+    assert host("/run/ostree") in dirs and host("/ostree/deploy/fedora/deploy") in dirs
+
+
+BOOT_ROWS = [
+    # (case, recorded next kernel, its state, store for B kept, message expected)
+    ("prepared", B, READY, True, "no build"),
+    ("prepared-but-gone", B, READY, False, "but are gone"),
+    ("failed-before", B, FAILED, True, None),
+    ("other-kernel", "6.1.0-58-amd64", READY, True, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "recorded", "rstate", "keep", "says"), BOOT_ROWS, ids=[r[0] for r in BOOT_ROWS]
+)
+def test_first_start_on_the_prepared_kernel_says_no_build(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    recorded: str,
+    rstate: str,
+    keep: bool,
+    says: str | None,
+) -> None:
+    """Boot 1 prepared B (weak-updates); boot 2 runs B: the start says whether it will build."""
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
+    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), FakePodman)
+    assert out.state == READY
+    if not keep:
+        import shutil
+
+        shutil.rmtree(store_dir(host, NAME, "1.0", B))
+    record(host, kernel=A, next_kernel=recorded, next_kernel_state=rstate, next_kernel_reason="x")
+    ext = NextKernel(Settings(), detector=lambda _r: next_boot(host, B))
+    ctx, _ = context(host, config(host), kernel=B)
+    caplog.set_level(logging.INFO, logger="kvcd.daemon.nextkernel")
+    ext.verdict(ctx, [Event("start", retry=True)])
+    said = [r for r in caplog.records if "prepared before the reboot" in r.getMessage()]
+    if says is None:
+        assert said == []
+        return
+    assert len(said) == 1 and says in said[0].getMessage()
+    if case == "prepared":
+        assert said[0].getMessage() == (
+            f"modules for {B} were prepared before the reboot (x); no build"
+        )
+        assert said[0].MESSAGE_ID == journal.MSG_NEXT_KERNEL_PREPARED  # type: ignore[attr-defined]
+        assert said[0].levelno == logging.INFO
+    else:
+        assert said[0].levelno == logging.WARNING
+    # After the reconcile on B, the next kernel is the running one: the fields are cleared.
+    rec = Record.read(host, NAME)
+    assert rec is not None
+    ext.after(ctx, rec)
+    saved = json.loads(host.state_file(NAME).read_text())
+    assert (saved["next_kernel"], saved["next_kernel_state"]) == ("", "")
+
+
+def test_outcome_none_is_empty() -> None:
+    assert Outcome("", "", "") == NONE
+
+
+VERDICT_ROWS = [
+    # (case, events, verdict)
+    ("only-ours", [Event("next-kernel", "/boot/loader/entries/x.conf")], ("hold", "Degraded")),
+    ("ours-and-udev", [Event("next-kernel", "/boot"), Event("udev", "add")], None),
+    ("start", [Event("start", retry=True)], None),
+    ("reload", [Event("signal", "reload", retry=True)], None),
+    ("none", [], None),
+]
+
+
+@pytest.mark.parametrize(("case", "events", "want"), VERDICT_ROWS, ids=[r[0] for r in VERDICT_ROWS])
+def test_boot_configuration_events_do_not_redo_the_instance(
+    host: HostRoot, case: str, events: list[Event], want: tuple[str, str] | None
+) -> None:
+    """A kernel install must not retry a Degraded load: our events alone hold the state."""
+    Record(instance=NAME, state="Degraded", reason="LoadFailed: x", kernel=A).write(host)
+    ext = NextKernel(Settings(), detector=lambda _r: NONE_BOOT)
+    ctx, _ = context(host, config(host))
+    got = ext.verdict(ctx, events)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and (got.verb, got.state, got.reason) == (*want, "LoadFailed: x")
+
+
+RELEVANT_ROWS = [
+    ("/vmlinuz", True),
+    ("/vmlinuz.old", True),
+    ("/boot", True),
+    ("/tmp", False),
+    ("/fail-load", False),
+    ("/boot/vmlinuz-6.1.0-57-amd64", True),
+    ("/boot/symvers-5.14.0-70.el9.x86_64.gz", True),
+    ("/boot/grub2", True),
+    ("/boot/loader", True),
+    ("/boot/initrd.img-6.1.0-57-amd64", False),
+    ("/boot/loader/entries/x.conf", True),
+    ("/boot/grub2/grubenv", True),
+    ("/run/ostree/staged-deployment", True),
+]
+
+
+@pytest.mark.parametrize(("path", "want"), RELEVANT_ROWS, ids=[r[0] for r in RELEVANT_ROWS])
+def test_relevant_changes(root: HostRoot, path: str, want: bool) -> None:
+    assert nextkernel.relevant(root, root(path)) is want
+
+
+# --- RHEL's weak-modules, for modules installed in the system's /lib/modules ----------------
+
+WM_ROWS = [
+    # (case, add, initramfs, argv after the command name)
+    ("add", True, False, ["--add-modules", "--no-initramfs"]),
+    ("remove", False, False, ["--remove-modules", "--no-initramfs"]),
+    ("add-with-initramfs", True, True, ["--add-modules"]),
+]
+
+
+@pytest.mark.parametrize(("case", "add", "initramfs", "argv"), WM_ROWS, ids=[r[0] for r in WM_ROWS])
+def test_weak_modules_command(
+    tmp_path: Path, fake_commands: Any, case: str, add: bool, initramfs: bool, argv: list[str]
+) -> None:
+    stdin = tmp_path / "stdin"
+    fake_commands.add("weak-modules", f"cat > '{stdin}'\n")
+    mods = [Path(f"/lib/modules/{A}/extra/e2e/kvcd_base.ko"), Path(f"/lib/modules/{A}/x y.ko")]
+    assert kmod.weak_modules_command() == str(fake_commands.bindir / "weak-modules")
+    kmod.weak_modules(mods, add=add, initramfs=initramfs)
+    assert fake_commands.calls() == [["weak-modules", *argv]]
+    assert stdin.read_text() == "".join(f"{m}\n" for m in mods)
+
+
+def test_weak_modules_errors(fake_commands: Any) -> None:
+    fake_commands.add("weak-modules", "echo 'weak-modules: no symvers for 5.14.0' >&2; exit 1\n")
+    with pytest.raises(kmod.KmodError, match=r"could not add /x.ko: .*no symvers for 5.14.0"):
+        kmod.weak_modules([Path("/x.ko")], add=True)
+    with pytest.raises(ValueError, match="newline"):
+        kmod.weak_modules([Path("/x\n.ko")], add=False)
+    kmod.weak_modules([], add=True)  # nothing to do: not run
+    assert len(fake_commands.calls()) == 1
+
+
+# --- the instance knob ----------------------------------------------------------------------
+
+KNOB_ROWS = [
+    # (case, line in the file, kabi or the error)
+    ("default", "", "weak-updates-first"),
+    ("weak-first", 'kabi = "weak-updates-first"', "weak-updates-first"),
+    ("rebuild", 'kabi = "rebuild"', "rebuild"),
+    ("typo", 'kabi = "weak"', "e2e.toml:4: 'kabi' must be one of 'weak-updates-first', "
+     "'rebuild', got \"weak\""),
+    ("not-a-string", "kabi = true", "e2e.toml:4: 'kabi' must be one of"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "line", "want"), KNOB_ROWS, ids=[r[0] for r in KNOB_ROWS])
+def test_kabi_knob(case: str, line: str, want: str) -> None:
+    from kvcd.config.loader import parse_instance_toml
+    from kvcd.config.model import ConfigError
+
+    text = fakehost.doc(
+        'version = "1.0"', 'modules = ["kvcd_base"]', 'image = "x/y:{kernel}"', line
+    )
+    if "'kabi'" not in want:
+        assert parse_instance_toml(NAME, "/etc/kvcd/instances/e2e.toml", text).kabi == want
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_instance_toml(NAME, "/etc/kvcd/instances/e2e.toml", text)
+    assert str(err.value).startswith(f"/etc/kvcd/instances/{want}")
+
+
+def test_request_is_not_lost_or_repeated_while_another_extension_holds(host: HostRoot) -> None:
+    """Cycles an earlier extension decides (our verdict is not asked) post nothing, however many;
+    the first cycle that reaches us again asks for the look once."""
+    asked: list[int] = []
+    ext = NextKernel(Settings(), detector=lambda _r: asked.append(1) or NONE_BOOT)  # type: ignore[func-returns-value]
+    ctx, posted = context(host, config(host))
+    rec = record(host)
+    ext.verdict(ctx, [Event("start", retry=True)])
+    ext.after(ctx, rec)
+    assert len(posted) == 1
+    for _ in range(5):  # drift holds: our request is eaten, verdict never reaches us
+        ext.after(ctx, rec)
+    assert len(posted) == 1 and asked == []
+    ext.verdict(ctx, [Event("drift", "resolved")])  # reaches us again: one new request
+    ext.after(ctx, rec)
+    assert len(posted) == 2
+    ext.verdict(ctx, posted[-1:])
+    ext.after(ctx, rec)
+    assert asked == [1] and len(posted) == 2

@@ -1,0 +1,259 @@
+"""The file node backend and the NodeWriter: merges, no-op skips, bad files, `kvcd label`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcd import cli
+from kvcd.daemon.record import Record
+from kvcd.daemon.report import event_reason, node_patch, parse_edits
+from kvcd.host.paths import HostRoot
+from kvcd.node.backend import MAX_VALUE, NodeView, NodeWriter, Unavailable, node_name
+from kvcd.node.filebackend import FileBackend, node_file
+from kvcd.node.keys import Keys
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> HostRoot:
+    return HostRoot(tmp_path)
+
+
+def test_edit_merges_only_the_given_keys(root: HostRoot) -> None:
+    fb = FileBackend(root, "n1")
+    fb.edit(labels=lambda _v: {"a/x": "1"}, annotations=lambda _v: {"other.io/k": "keep"})
+    view = fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
+    assert view.labels == {"a/x": "1"}
+    assert view.annotations == {"other.io/k": "keep", "kvcd.io/i.state": "Done"}
+    view = fb.update(lambda _v: {"kvcd.io/i.state": None})
+    assert view.annotations == {"other.io/k": "keep"}
+    data = json.loads(node_file(root).read_text())
+    assert data["generation"] == 3
+
+
+def test_a_write_that_changes_nothing_does_not_touch_the_file(root: HostRoot) -> None:
+    fb = FileBackend(root, "n1")
+    fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
+    before = node_file(root).stat().st_ino
+    view = fb.update(lambda _v: {"kvcd.io/i.state": "Done", "kvcd.io/i.reason": None})
+    assert node_file(root).stat().st_ino == before  # not replaced
+    assert view.version == "1"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "must hold a JSON object"),
+        ('{"labels": {"a": 1}}', "'labels' must be an object of strings"),
+        ('{"annotations": []}', "'annotations' must be an object of strings"),
+    ],
+)
+def test_a_bad_file_is_unavailable_never_overwritten(root: HostRoot, text: str, error: str) -> None:
+    node_file(root).parent.mkdir(parents=True)
+    node_file(root).write_text(text)
+    fb = FileBackend(root, "n1")
+    with pytest.raises(Unavailable, match=error):
+        fb.read()
+    with pytest.raises(Unavailable, match=error):
+        fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
+    assert node_file(root).read_text() == text
+
+
+class CountingBackend(FileBackend):
+    def __init__(self, root: HostRoot) -> None:
+        super().__init__(root, "n1")
+        self.updates = 0
+        self.down = False
+
+    def update(self, change):  # type: ignore[no-untyped-def]
+        self.updates += 1
+        if self.down:
+            raise Unavailable("down")
+        return super().update(change)
+
+
+def test_writer_skips_repeats_and_retries_after_failure(root: HostRoot) -> None:
+    be = CountingBackend(root)
+    w = NodeWriter(be)
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert be.updates == 1  # the repeat cost no I/O
+    be.down = True
+    assert not w.write({"kvcd.io/i.state": "Degraded"})
+    assert w.failing == "down"
+    be.down = False
+    assert w.write({"kvcd.io/i.state": "Done"})  # not skipped: the store failed in between
+    assert be.updates == 3 and w.failing is None
+
+
+def test_writer_rereads_before_writing_over_another_writer(root: HostRoot) -> None:
+    be = FileBackend(root, "n1")
+    w = NodeWriter(be)
+    w.write({"kvcd.io/i.state": "Degraded"})
+    # Someone else (another process, an admin) changes our key behind our back.
+    be.update(lambda _v: {"kvcd.io/i.state": "Working"})
+    w.forget()
+    assert w.write({"kvcd.io/i.state": "Degraded"})
+    assert be.read().annotations["kvcd.io/i.state"] == "Degraded"
+
+
+def test_values_are_bounded(root: HostRoot) -> None:
+    w = NodeWriter(FileBackend(root, "n1"))
+    w.write({"kvcd.io/i.reason": "x" * 5000})
+    value = FileBackend(root, "n1").read().annotations["kvcd.io/i.reason"]
+    assert len(value) == MAX_VALUE and value.endswith("…")
+
+
+def test_unreachable_read_falls_back_to_last_view(root: HostRoot) -> None:
+    be = FileBackend(root, "n1")
+    w = NodeWriter(be)
+    be.edit(labels=lambda _v: {"l/x": "1"})
+    assert w.read() is not None
+    node_file(root).write_text("{broken")
+    view = w.read()
+    assert view is not None and view.labels == {"l/x": "1"} and w.failing
+
+
+@pytest.mark.parametrize(
+    ("rec", "expect"),
+    [
+        (
+            Record("nic", "Done", version="1.0", kernel="6.1", boot_id="b1"),
+            {
+                "kvcd.io/nic.state": "Done",
+                "kvcd.io/nic.reason": None,
+                "kvcd.io/nic.version": "1.0",
+                "kvcd.io/nic.kernel": "6.1",
+                "kvcd.io/nic.boot-id": "b1",
+                "kvcd.io/nic.next-kernel": None,
+            },
+        ),
+        (
+            Record(
+                "nic",
+                "Degraded",
+                "LoadFailed: x",
+                next_kernel="6.2",
+                next_kernel_state="failed",
+                next_kernel_reason="BuildFailed: y",
+            ),
+            {"kvcd.io/nic.next-kernel": "6.2 failed: BuildFailed: y"},
+        ),
+        (
+            Record("nic", "Done", next_kernel="6.2", next_kernel_state="ready"),
+            {"kvcd.io/nic.next-kernel": "6.2 ready"},
+        ),
+    ],
+)
+def test_node_patch(rec: Record, expect: dict[str, str | None]) -> None:
+    patch = node_patch(Keys("kvcd.io", "nic"), rec)
+    for key, value in expect.items():
+        assert patch[key] == value
+
+
+@pytest.mark.parametrize(
+    ("rec", "reason"),
+    [
+        (Record("a", "Done"), "ModulesLoaded"),
+        (Record("a", "Done", goal="unloaded"), "ModulesUnloaded"),
+        (Record("a", "Degraded", "LoadFailed: x"), "LoadFailed"),
+        (Record("a", "Working", "DrainRequired: y"), "DrainRequired"),
+        (Record("a", "Working", "weird reason"), "Working"),
+    ],
+)
+def test_event_reason_is_stable_vocabulary(rec: Record, reason: str) -> None:
+    assert event_reason(rec) == reason
+
+
+@pytest.mark.parametrize(
+    ("edits", "result"),
+    [
+        (["a.io/x=1", "b-"], {"a.io/x": "1", "b": None}),
+        (["k="], {"k": ""}),
+        (["kvcd.io/version.nic=2.0"], {"kvcd.io/version.nic": "2.0"}),
+        (["novalue"], "expected KEY=VALUE or KEY-"),
+        (["bad key=1"], "must be a label key"),
+        (["Bad_Prefix/x=1"], "must be a label key"),
+        ([f"{'x' * 64}=1"], "must be a label key"),
+        (["k=a\nb"], "one line"),
+    ],
+)
+def test_parse_edits(edits: list[str], result: dict[str, str | None] | str) -> None:
+    if isinstance(result, str):
+        with pytest.raises(ValueError, match=result):
+            parse_edits(edits)
+    else:
+        assert parse_edits(edits) == result
+
+
+def test_cli_label_and_annotate(root: HostRoot, capsys: pytest.CaptureFixture[str]) -> None:
+    r = str(root.root)
+    assert cli.main(["--root", r, "label", "kvcd.io/version.nic=1.0", "x/y=z"]) == 0
+    assert cli.main(["--root", r, "label", "x/y-"]) == 0
+    assert cli.main(["--root", r, "annotate", "kvcd.io/drain-current=DrainComplete"]) == 0
+    capsys.readouterr()
+    assert cli.main(["--root", r, "label"]) == 0
+    assert capsys.readouterr().out == "kvcd.io/version.nic=1.0\n"
+    assert cli.main(["--root", r, "annotate"]) == 0
+    assert capsys.readouterr().out == "kvcd.io/drain-current=DrainComplete\n"
+    assert cli.main(["--root", r, "label", "nope"]) == 2
+    assert "expected KEY=VALUE or KEY-" in capsys.readouterr().err
+
+
+def test_cli_label_refuses_with_the_kubernetes_backend(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root.main_config.parent.mkdir(parents=True)
+    root.main_config.write_text('node_backend = "kubernetes"\n')
+    root.main_config.chmod(0o644)
+    assert cli.main(["--root", str(root.root), "label", "a=b"]) == 2
+    assert "kubectl label node" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("configured", "env", "host", "name"),
+    [
+        ("n-cfg", {"NODE_NAME": "n-env"}, "H", "n-cfg"),
+        ("", {"NODE_NAME": "n-env"}, "H", "n-env"),
+        ("", {}, "Host-1", "host-1"),
+    ],
+)
+def test_node_name(configured: str, env: dict[str, str], host: str, name: str) -> None:
+    from kvcd.config.model import Settings
+
+    assert node_name(Settings(node_name=configured), env, host) == name
+
+
+def test_nodeview_defaults() -> None:
+    assert NodeView("n").labels == {} and NodeView("n").version == ""
+
+
+def test_status_shows_hashed_node_keys_and_open_processes(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long = "x" * 60
+    Record(long, "Done", modules=["kvcd_nic"]).write(root)
+    Record("short", "Done").write(root)
+    mod = root("/sys/module/kvcd_nic")
+    (mod / "holders").mkdir(parents=True)
+    (mod / "refcnt").write_text("1\n")
+    import os
+
+    rdev = os.stat("/dev/null").st_rdev
+    dev = root(f"/sys/dev/char/{os.major(rdev)}:{os.minor(rdev)}")
+    dev.mkdir(parents=True)
+    (dev / "uevent").write_text("DEVNAME=kvcd_nic\n")
+    (root("/proc/77/fd")).mkdir(parents=True)
+    root("/proc/77/comm").write_text("app\n")
+    root("/proc/77/fd/4").symlink_to("/dev/null")
+    assert cli.main(["--root", str(root.root), "status"]) == 0
+    out = capsys.readouterr().out
+    stem = Keys("kvcd.io", long).stem
+    assert f"  node keys: kvcd.io/{stem}.* (hashed" in out
+    assert "kvcd_nic: loaded (refcnt 1, open by app[77] (/dev/kvcd_nic))" in out
+    assert out.count("node keys:") == 1  # "short" fits as it is
+    assert cli.main(["--root", str(root.root), "status", "short", "--json"]) == 0
+    assert '"node_keys": "kvcd.io/short.*"' in capsys.readouterr().out

@@ -1,0 +1,268 @@
+"""Ordered upgrade (KMM protocol): the literal table row by row, restarts mid-upgrade, the
+extension against the file backend and a fake host, and the `kvcd run` loop driven by labels."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcd.config.loader import load_instance, load_settings
+from kvcd.core import upgrade as up
+from kvcd.daemon import extensions
+from kvcd.daemon.drain import Drain
+from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event
+from kvcd.daemon.record import Record
+from kvcd.daemon.report import NodeLink, Reporter
+from kvcd.daemon.service import Service
+from kvcd.daemon.upgrade import OrderedUpgrade
+from kvcd.host.paths import HostRoot
+from kvcd.node.filebackend import FileBackend
+from tests import fakehost
+from tests.unit.test_service_events import RecordingNotifier
+
+K = "6.1.0-56-amd64"
+MODS = ["kvcd_base", "kvcd_user"]
+LABEL = "kvcd.io/version.e2e"
+CONFIG = (
+    'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\nordered_upgrade = true\n'
+    '[build]\ncontext = "/src"\n'
+)
+
+# label, configured, loaded?, loaded version -> verb, hold state, reason code
+ROWS = [
+    # fresh node, label set to the configured version: load
+    ("1.0", "1.0", False, None, up.LOAD, "", ""),
+    # already loaded as labeled: load (= verify, nothing to change)
+    ("1.0", "1.0", True, "1.0", up.LOAD, "", ""),
+    # label moved 1.0 -> 2.0 and config says 2.0: load 2.0 (the planner unloads 1.0 first)
+    ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
+    # label removed: unload (KMM step 4), whatever is loaded
+    (None, "1.0", True, "1.0", up.UNLOAD, "", up.LABEL_ABSENT),
+    (None, "2.0", True, "1.0", up.UNLOAD, "", up.LABEL_ABSENT),
+    ("", "1.0", False, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    # config moved to 2.0, label still 1.0 and 1.0 loaded: keep 1.0 until the label moves
+    ("1.0", "2.0", True, "1.0", up.HOLD, "Done", up.UPGRADE_PENDING),
+    # label names a version the config does not have: nothing may be loaded
+    ("3.0", "2.0", False, None, up.UNLOAD, "", up.UPGRADE_PENDING),
+    ("1.0", "2.0", True, "2.0", up.UNLOAD, "", up.UPGRADE_PENDING),
+    ("3.0", "2.0", True, "1.0", up.UNLOAD, "", up.UPGRADE_PENDING),
+    # loaded but the version is unknown (a KVC hook instance): the label still decides
+    ("1.0", "1.0", True, None, up.LOAD, "", ""),
+    (None, "1.0", True, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    # restart after unloading 1.0 (label removed), before the label came back as 2.0
+    (None, "2.0", False, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    # restart after the label moved to 2.0 but before the swap happened: same decision as live
+    ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
+    # restart after the swap: 2.0 loaded, verify only
+    ("2.0", "2.0", True, "2.0", up.LOAD, "", ""),
+]
+
+
+@pytest.mark.parametrize(("label", "cfg", "loaded", "lver", "verb", "st", "code"), ROWS)
+def test_table(
+    label: str | None, cfg: str, loaded: bool, lver: str | None, verb: str, st: str, code: str
+) -> None:
+    d = up.decide(label, cfg, loaded, lver, LABEL)
+    assert (d.verb, d.state) == (verb, st)
+    assert d.reason.split(":", 1)[0] == code
+    if code:
+        assert LABEL in d.reason
+
+
+def test_table_covers_every_reachable_combination() -> None:
+    seen = set()
+    for label, cfg, loaded, lver in itertools.product(
+        (None, "1.0", "2.0"), ("1.0", "2.0"), (False, True), (None, "1.0", "2.0")
+    ):
+        key = (up.classify_label(label, cfg), up.classify_loaded(loaded, lver, label, cfg))
+        assert key in up.TABLE, key
+        seen.add(key)
+    assert seen == set(up.TABLE)
+
+
+def test_unreachable_holds_and_keeps_modules() -> None:
+    d = up.unreachable(LABEL, "connection refused")
+    assert (d.verb, d.state) == (up.HOLD, "Working")
+    assert d.reason.startswith("NodeUnavailable:") and "keeping modules" in d.reason
+
+
+# --- the extension and the `kvcd run` loop, on a fake host with the file backend -------------
+
+
+@pytest.fixture
+def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    root = HostRoot(tmp_path / "root")
+    fakehost.make_host(root, K)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in fakehost.SCRIPTS.items():
+        fake_commands.add(name, script)
+    for v in ("1.0", "2.0"):
+        fakehost.store_version(root, "e2e", v, K, MODS)
+    fakehost.write_config(root, "e2e", CONFIG.format(v="1.0"))
+    return root
+
+
+def label(root: HostRoot, value: str | None) -> None:
+    FileBackend(root, "n1").edit(labels=lambda _v: {LABEL: value})
+
+
+def loaded(root: HostRoot) -> list[str]:
+    return sorted(p.name for p in root.sys_module.iterdir())
+
+
+def ctx_for(root: HostRoot) -> Context:
+    return Context(root, "e2e", K, load_settings(root), load_instance(root, "e2e"), lambda _e: None)
+
+
+def test_extension_verdicts_follow_the_label(host: HostRoot) -> None:
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = OrderedUpgrade(link)
+    ctx = ctx_for(host)
+    ext.start(ctx)
+    try:
+        v = ext.verdict(ctx, [])
+        assert v is not None and (v.verb, v.reason.split(":")[0]) == (UNLOAD, up.LABEL_ABSENT)
+        label(host, "1.0")
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == LOAD
+        label(host, "9.9")
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == UNLOAD and "9.9" in v.reason
+    finally:
+        ext.stop()
+
+
+def test_unreadable_node_holds_without_unloading(host: HostRoot) -> None:
+    (host.state).mkdir(parents=True, exist_ok=True)
+    (host.state / "node.json").write_text("{not json")
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = OrderedUpgrade(link)
+    ctx = ctx_for(host)
+    ext.start(ctx)
+    try:
+        v = ext.verdict(ctx, [])
+        assert v is not None and (v.verb, v.state) == (HOLD, "Working")
+        assert v.reason.startswith("NodeUnavailable") and "not valid JSON" in v.reason
+    finally:
+        ext.stop()
+
+
+def test_after_queues_ready_for_the_reporter(host: HostRoot) -> None:
+    link = NodeLink(load_settings(host))
+    ext = OrderedUpgrade(link)
+    ctx = ctx_for(host)
+    ext.after(ctx, Record("e2e", "Done", version="1.0", goal="loaded"))
+    assert link.extra == {"kvcd.io/e2e.ready": "1.0"}
+    ext.after(ctx, Record("e2e", "Done", version="1.0", goal="unloaded"))
+    assert link.extra == {"kvcd.io/e2e.ready": None}
+
+
+def node_extensions(cfg: Any, settings: Any) -> list[Any]:
+    """Only this issue's extensions (the others need udev, netlink ...), in build() order."""
+    link = NodeLink(settings)
+    return [Drain(link), OrderedUpgrade(link), Reporter(link)]
+
+
+def test_run_loop_label_drives_upgrade_v1_to_v2(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path: labels in node.json -> verdict -> reconcile -> annotations written back."""
+    monkeypatch.setenv("NODE_NAME", "n1")
+    monkeypatch.setattr(extensions, "build", node_extensions)
+    svc = Service(host, "e2e", K, RecordingNotifier())
+    node = FileBackend(host, "n1")
+    try:
+        # No label: nothing loaded, Done (unloaded), reported.
+        rec = svc.reconcile([Event("start", retry=True)])
+        assert rec is not None and (rec.state, rec.goal) == ("Done", "unloaded")
+        assert loaded(host) == []
+        ann = node.read().annotations
+        assert ann["kvcd.io/e2e.state"] == "Done"
+        assert ann["kvcd.io/e2e.reason"].startswith("LabelAbsent")
+        assert "kvcd.io/e2e.ready" not in ann
+
+        label(host, "1.0")
+        rec = svc.reconcile([Event("ordered-upgrade", "label")])
+        assert rec is not None and (rec.state, rec.goal, rec.version) == ("Done", "loaded", "1.0")
+        assert loaded(host) == MODS
+        ann = node.read().annotations
+        assert ann["kvcd.io/e2e.ready"] == "1.0" and "kvcd.io/e2e.reason" not in ann
+        assert ann["kvcd.io/e2e.version"] == "1.0" and ann["kvcd.io/e2e.kernel"] == K
+        assert ann["kvcd.io/e2e.boot-id"].startswith("0b5e6c4e")
+
+        # Config moves to 2.0 first (KMM step 2): 1.0 stays loaded while the label says 1.0.
+        fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+        rec = svc.reconcile([Event("signal", "reload", retry=True)])
+        assert rec is not None and rec.reason.startswith("UpgradePending")
+        assert (host.sys_module / "kvcd_user").is_dir()
+        assert node.read().annotations["kvcd.io/e2e.ready"] == "1.0"
+
+        # The label moves to 2.0: unload 1.0, load 2.0.
+        label(host, "2.0")
+        rec = svc.reconcile([Event("ordered-upgrade", "label")])
+        assert rec is not None and (rec.state, rec.version) == ("Done", "2.0")
+        assert node.read().annotations["kvcd.io/e2e.ready"] == "2.0"
+
+        # A restart (a new Service) with the label removed meanwhile: re-derived, unloaded.
+        svc.stop_extensions()
+        label(host, None)
+        svc = Service(host, "e2e", K, RecordingNotifier())
+        rec = svc.reconcile([Event("start", retry=True)])
+        assert rec is not None and rec.goal == "unloaded" and loaded(host) == []
+        assert "kvcd.io/e2e.ready" not in node.read().annotations
+    finally:
+        svc.stop_extensions()
+
+
+def test_reporter_runs_last_and_ordered_upgrade_is_registered(host: HostRoot) -> None:
+    cfg = load_instance(host, "e2e")
+    names = [e.name for e in extensions.build(cfg, load_settings(host))]
+    assert names[-1] == Reporter.name
+    assert names.index("drain") < names.index("ordered-upgrade")
+
+
+def test_kmm_label_override(host: HostRoot) -> None:
+    kmm = "kmm.node.kubernetes.io/version-module.drivers.e2e"
+    fakehost.write_config(
+        host, "e2e", CONFIG.format(v="1.0").replace("[build]", f'upgrade_label = "{kmm}"\n[build]')
+    )
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = OrderedUpgrade(link)
+    ctx = ctx_for(host)
+    ext.start(ctx)
+    try:
+        label(host, "1.0")  # our own default label does not count any more
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == UNLOAD and kmm in v.reason
+        FileBackend(host, "n1").edit(labels=lambda _v: {kmm: "1.0"})
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == LOAD
+    finally:
+        ext.stop()
+
+
+def test_watch_posts_an_event_only_when_the_label_changes(host: HostRoot) -> None:
+    import threading
+
+    posted: list[Event] = []
+    got = threading.Event()
+
+    def post(ev: Event) -> None:
+        posted.append(ev)
+        if ev.what.endswith("=2.0"):
+            got.set()
+
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = OrderedUpgrade(link)
+    ctx = Context(host, "e2e", K, load_settings(host), load_instance(host, "e2e"), post)
+    ext.start(ctx)
+    try:
+        FileBackend(host, "n1").update(lambda _v: {"kvcd.io/other.state": "Done"})  # not ours
+        label(host, "2.0")
+        assert got.wait(timeout=30)
+        assert [e.what for e in posted if e.source == "ordered-upgrade"] == [f"{LABEL}=2.0"]
+    finally:
+        ext.stop()
