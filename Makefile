@@ -4,9 +4,11 @@
 #   make test        unit + integration tests (real podman, gcc, depmod, rpmbuild on this machine)
 #   make lint        ruff, mypy --strict, import-linter
 #   make rpm         build the RPMs into out/rpm and rpmlint them
-#   make e2e         build/reuse the guest, boot it once, run smoke + kvcd scenarios (pytest -m e2e)
+#   make e2e         build/reuse the guest, boot it once, run smoke + core kvcd scenarios + shim
+#   make e2e-full    every guest step: also the feature scenario files and the reboot scenario
 #   make e2e-smoke   the same, harness checks only (no kvcd needed)
 #   make e2e-guest   only build (or reuse) the cached guest image
+#   make e2e-harness the VM harness's own tests, no VM (entry.sh steps + reboots with fakes)
 #   make e2e-clean   drop the cached guest and the run outputs
 # The VM end-to-end harness lives in scripts/e2e and tests/e2e.
 
@@ -16,7 +18,7 @@ PYTHON ?= $(VENV)/python
 E2E_CACHE ?= $(or $(KVCD_E2E_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvcd-e2e)
 PY_DIRS := kvcd tests benchmarks
 
-.PHONY: setup check lint test rpm e2e e2e-smoke e2e-guest demo e2e-clean
+.PHONY: setup check lint test rpm e2e e2e-full e2e-harness e2e-smoke e2e-guest demo e2e-clean
 
 setup:
 	scripts/setup.sh
@@ -36,8 +38,18 @@ test: setup
 rpm: setup
 	scripts/build-rpm.sh --lint
 
-e2e: setup
-	KVCD_E2E_MODE=e2e $(PYTHON) -m pytest -m e2e tests/e2e
+# The harness's own tests first (no VM, ~30 s): entry.sh's steps and reboots with fakes.
+# CI's VM run (make check): one boot, the "core" step: smoke, the lifecycle scenarios, kvcd
+# installed from the RPM payload, the KVC shim (~25 min under TCG). The feature scenario files
+# and the reboot into a prepared kernel run in `make e2e-full` (over an hour under TCG).
+e2e: setup e2e-harness
+	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY=core $(PYTHON) -m pytest -m e2e tests/e2e
+
+e2e-full: setup e2e-harness
+	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY= $(PYTHON) -m pytest -m e2e tests/e2e
+
+e2e-harness: setup
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/e2e/test_harness.py
 
 e2e-smoke: setup
 	KVCD_E2E_MODE=smoke $(PYTHON) -m pytest -m e2e tests/e2e

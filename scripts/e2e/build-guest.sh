@@ -4,14 +4,17 @@
 #   scripts/e2e/build-guest.sh            # prints the guest directory on the last stdout line
 #
 # The guest directory holds: base.img (raw ext4 root fs, never written by test runs: they use a
-# qcow2 overlay), vmlinuz, initrd.img, kver (guest kernel release), build-times.txt.
+# qcow2 overlay), vmlinuz, initrd.img, kver (guest kernel release), kver2 (the second kernel's
+# release, see second-kernel.txt), build-times.txt.
 # Inside base.img: systemd, podman (runc), the guest kernel's modules, kvcd's Python
 # dependencies (offline wheels), two boot units that run whatever the payload disk brings, and
 # the driver-container base image localhost/kvcd-e2e-base:latest (gcc, make,
-# linux-headers-<guest kernel>) already in /var/lib/containers/storage.
+# linux-headers-<guest kernel> and linux-headers-<second kernel>) already in
+# /var/lib/containers/storage, and the second kernel's linux-image .deb in
+# /var/cache/kvcd-e2e/kernels/ (not installed: the next-kernel scenario installs it).
 #
 # Cache: ${KVCD_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd-e2e}/guest-<key>, where <key> is a
-# hash of this script, the package lists and scripts/e2e/guest-base/. KVCD_E2E_REBUILD=1 forces
+# hash of this script, the package lists, second-kernel.txt and scripts/e2e/guest-base/. KVCD_E2E_REBUILD=1 forces
 # a rebuild. The Debian mirror is read from the host's apt configuration. Needs root,
 # debootstrap, podman (host, to import the base image), e2fsprogs, python3 + pip.
 set -euo pipefail
@@ -25,6 +28,8 @@ IMG_SIZE=${KVCD_E2E_IMG_SIZE:-8G}
 log() { printf '[build-guest %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 pkgs() { grep -v '^[[:space:]]*#' "$1" | grep -v '^[[:space:]]*$' | tr -d ' '; }
+KVER2=$(pkgs "$HERE/second-kernel.txt" | head -n 1)
+[[ $KVER2 =~ ^[0-9][A-Za-z0-9.+~-]*$ ]] || { log "ERROR: bad kernel in second-kernel.txt: '$KVER2'"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (debootstrap, chroot)"
 for t in debootstrap chroot mkfs.ext4 podman python3 sha256sum; do
@@ -34,7 +39,7 @@ done
 key=$(
     {
         cat "$HERE/build-guest.sh" "$HERE/guest-packages.txt" "$HERE/driver-base-packages.txt" \
-            "$HERE/guest-requirements.txt"
+            "$HERE/guest-requirements.txt" "$HERE/second-kernel.txt"
         (cd "$HERE/guest-base" && find . -type f | LC_ALL=C sort | xargs -d '\n' sha256sum)
     } | sha256sum | cut -c1-16
 )
@@ -164,6 +169,11 @@ chroot "$ROOT" apt-get update >>"$WORK/guest-apt.log" 2>&1
 # shellcheck disable=SC2046
 chroot "$ROOT" apt-get install -y --no-install-recommends $(pkgs "$HERE/guest-packages.txt") \
     >>"$WORK/guest-apt.log" 2>&1 || die "guest apt-get install failed: see $WORK/guest-apt.log"
+# The second kernel, for the next-kernel scenario: its .deb only (installing it is the test).
+# Its dependencies (kmod, linux-base, initramfs-tools) come with the first kernel.
+mkdir -p "$ROOT/var/cache/kvcd-e2e/kernels"
+chroot "$ROOT" sh -c "cd /var/cache/kvcd-e2e/kernels && apt-get download linux-image-$KVER2" \
+    >>"$WORK/guest-apt.log" 2>&1 || die "apt-get download linux-image-$KVER2 failed: see $WORK/guest-apt.log"
 phase guest-packages
 
 # --- Python wheels for kvcd's dependencies, installed offline ------------------------------------
@@ -189,6 +199,7 @@ chroot "$ROOT" systemctl mask apt-daily.timer apt-daily-upgrade.timer e2scrub_al
     podman-restart.service podman-clean-transient.service >>"$WORK/guest-apt.log" 2>&1
 KVER=$(ls "$ROOT/lib/modules")
 [ "$(echo "$KVER" | wc -w)" = 1 ] || die "expected one guest kernel, got: $KVER"
+[ "$KVER" != "$KVER2" ] || die "second-kernel.txt names the guest's own kernel $KVER"
 cp "$ROOT/boot/vmlinuz-$KVER" "$WORK/vmlinuz"
 cp "$ROOT/boot/initrd.img-$KVER" "$WORK/initrd.img"
 chmod 644 "$WORK/vmlinuz" "$WORK/initrd.img"
@@ -203,7 +214,8 @@ write_sources "$DROOT"
 chroot_mounts "$DROOT"
 chroot "$DROOT" apt-get update >"$WORK/driver-base-apt.log" 2>&1
 chroot "$DROOT" apt-get install -y --no-install-recommends "linux-headers-$KVER" \
-    >>"$WORK/driver-base-apt.log" 2>&1 || die "headers install failed: see $WORK/driver-base-apt.log"
+    "linux-headers-$KVER2" >>"$WORK/driver-base-apt.log" 2>&1 ||
+    die "headers install failed: see $WORK/driver-base-apt.log"
 chroot_umounts
 finish_root "$DROOT"
 rm -rf "$DROOT"/usr/share/doc/* "$DROOT"/usr/share/man/* "$DROOT"/usr/share/locale/*
@@ -212,9 +224,10 @@ STORE=$ROOT/var/lib/containers/storage
 RUNROOT=$(mktemp -d /tmp/kvcd-e2e-run.XXXXXX) # podman wants a short runroot path
 mkdir -p "$STORE"
 podman --root "$STORE" --runroot "$RUNROOT" --storage-driver overlay \
-    import --quiet --change "LABEL kvcd.e2e.kernel=$KVER" "$WORK/driver-base.tar" "$BASE_IMAGE" >&2
+    import --quiet --change "LABEL kvcd.e2e.kernel=$KVER" --change "LABEL kvcd.e2e.kernel2=$KVER2" \
+    "$WORK/driver-base.tar" "$BASE_IMAGE" >&2
 podman --root "$STORE" --runroot "$RUNROOT" --storage-driver overlay \
-    tag "$BASE_IMAGE" "localhost/kvcd-e2e-base:$KVER"
+    tag "$BASE_IMAGE" "localhost/kvcd-e2e-base:$KVER" "localhost/kvcd-e2e-base:$KVER2"
 podman --root "$STORE" --runroot "$RUNROOT" --storage-driver overlay images >&2
 # libpod's database records the host-side paths, and defaultNetworkBackend the host's
 # (netavark); the guest recreates both on first use.
@@ -225,6 +238,7 @@ phase driver-base-image
 rm -f "$WORK/base.img"
 mkfs.ext4 -q -F -L kvcdroot -E root_owner=0:0 -d "$ROOT" "$WORK/base.img" "$IMG_SIZE"
 echo "$KVER" >"$WORK/kver"
+echo "$KVER2" >"$WORK/kver2"
 rm -rf "$ROOT"
 phase disk
 TIMES+=("total $(($(date +%s) - T0))s")

@@ -5,16 +5,22 @@
 #   scripts/e2e/run-guest.sh --mode cmd --cmd FILE   # run a bash script in the guest, print it
 #
 # 1. builds or reuses the cached guest (scripts/e2e/build-guest.sh),
-# 2. packs this run's payload onto a small ext4 disk (mkfs.ext4 -d, no loop mounts): the kvcd
-#    wheel built from this checkout, systemd/kvcd@.service, tests/e2e/guest (the in-guest
+# 2. packs this run's payload onto a small ext4 disk (mkfs.ext4 -d, no loop mounts): kvcd as
+#    the RPMs built from this checkout (scripts/build-rpm.sh) unpack it (rpm2cpio | cpio, here
+#    on the host) with their file digests and %post scriptlets, tests/e2e/guest (the in-guest
 #    driver), tests/e2e/driver + tests/kmods (driver container build context), the mode,
+#    (KVCD_E2E_INSTALL=wheel: a wheel + systemd/ unit files instead, the pre-RPM way)
 # 3. boots qemu on a qcow2 overlay of the cached base image (the base stays clean), bounded by
 #    `timeout`; the guest runs the mode's scenarios from a systemd unit and powers off,
 # 4. reads the results directory back with `debugfs -R rdump` (no mount) into OUT/results.
+# 5. when the guest asked for a reboot (results/reboot holds the kernel release to boot), boots
+#    the same overlay and payload again, with that kernel (its vmlinuz and initrd copied by the
+#    guest to results/boot/), up to KVCD_E2E_MAX_BOOTS boots (default 3): a reboot as a host
+#    without a bootloader sees it. The guest's entry.sh continues where it stopped.
 #
 # OUT (default: <repo>/out/e2e/<mode>) then holds console.log, results/ (junit-guest.xml,
 # journal.txt, journal.export, dmesg.txt, kvcd-status.*, timings.txt, ...), times.txt.
-# Exit 0 when the guest ran to the end (test verdicts are in results/rc and the junit file),
+# Exit 0 when the guest ran to the end (test verdicts are in results/rc and the junit files),
 # 3 when the harness itself failed (no results: see console.log).
 set -euo pipefail
 
@@ -24,7 +30,9 @@ CACHE=${KVCD_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcd-e2e}
 MODE=e2e
 OUT=
 CMD=
-TIMEOUT=${KVCD_E2E_TIMEOUT:-2700}
+TIMEOUT=${KVCD_E2E_TIMEOUT:-5400}
+INSTALL=${KVCD_E2E_INSTALL:-rpm}
+MAX_BOOTS=${KVCD_E2E_MAX_BOOTS:-3}
 MEM=${KVCD_E2E_MEM:-2048}
 SMP=${KVCD_E2E_SMP:-2}
 
@@ -39,12 +47,15 @@ while [ $# -gt 0 ]; do
     esac
 done
 case "$MODE" in smoke | e2e | demo | cmd) ;; *) echo "bad --mode $MODE" >&2; exit 2 ;; esac
+case "$INSTALL" in rpm | wheel) ;; *) echo "bad KVCD_E2E_INSTALL=$INSTALL (rpm|wheel)" >&2; exit 2 ;; esac
 [ "$MODE" != cmd ] || [ -f "$CMD" ] || { echo "--mode cmd needs --cmd FILE" >&2; exit 2; }
 OUT=${OUT:-$REPO/out/e2e/$MODE}
 
 log() { printf '[run-guest %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 3; }
-for t in qemu-system-x86_64 qemu-img debugfs mkfs.ext4 timeout; do
+tools=(qemu-system-x86_64 qemu-img debugfs mkfs.ext4 timeout)
+[ "$INSTALL" = wheel ] || tools+=(rpm rpm2cpio cpio rpmbuild)
+for t in "${tools[@]}"; do
     command -v "$t" >/dev/null || die "missing tool: $t"
 done
 
@@ -53,6 +64,7 @@ GUEST=$("$HERE/build-guest.sh" | tail -n 1)
 [ -f "$GUEST/.done" ] || die "guest build failed"
 T_BUILD=$(($(date +%s) - T0))
 KVER=$(cat "$GUEST/kver")
+KVER2=$(cat "$GUEST/kver2" 2>/dev/null || true)
 
 mkdir -p "$(dirname "$OUT")"
 exec 8>"$OUT.lock"
@@ -66,33 +78,66 @@ mkdir -p "$P/wheels" "$P/units" "$P/results"
 # --- payload ------------------------------------------------------------------------------
 T1=$(date +%s)
 echo "$MODE" >"$P/mode"
+# KVCD_E2E_ONLY="core scenarios_x reboot_y": run only these e2e steps (entry.sh), e.g. one file.
+[ -z "${KVCD_E2E_ONLY:-}" ] || echo "$KVCD_E2E_ONLY" >"$P/only"
 [ -z "$CMD" ] || cp "$CMD" "$P/cmd.sh"
 echo "$KVER" >"$P/kver"
-# Build from a copy so no build/ or *.egg-info lands in the checkout; offline first, then with
-# build isolation (needs the PyPI mirror) when the local interpreter lacks `wheel`.
-SRC=$OUT/src
-mkdir -p "$SRC"
-cp -r "$REPO/pyproject.toml" "$REPO/kvcd" "$SRC/"
-for f in README.md README.rst LICENSE setup.cfg setup.py MANIFEST.in; do
-    if [ -e "$REPO/$f" ]; then cp "$REPO/$f" "$SRC/"; fi
-done
-find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
-PY=python3
-[ -x "$REPO/.venv/bin/python" ] && PY=$REPO/.venv/bin/python
-if ! "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check \
-    -w "$P/wheels" "$SRC" >"$OUT/wheel.log" 2>&1 &&
-    ! "$PY" -m pip wheel --quiet --no-deps --disable-pip-version-check \
-        -w "$P/wheels" "$SRC" >>"$OUT/wheel.log" 2>&1; then
-    log "WARNING: building the kvcd wheel failed (see $OUT/wheel.log); kvcd scenarios will fail"
-fi
-rm -rf "$SRC"
-if [ -f "$REPO/systemd/kvcd@.service" ]; then
-    find "$REPO/systemd" -maxdepth 1 -type f \
-        \( -name '*.service' -o -name '*.timer' -o -name '*.path' -o -name '*.socket' \) \
-        -exec cp {} "$P/units/" \;
+echo "$INSTALL" >"$P/install-method"
+[ -z "$KVER2" ] || echo "$KVER2" >"$P/kver2"
+if [ "$INSTALL" = rpm ]; then
+    # kvcd as the RPMs built from this checkout ship it. Unpacked here, on the host, with
+    # rpm2cpio | cpio: the host has the rpm tools (they build the package) and the Debian guest
+    # has none, and the payload disk then carries a plain tree that mkfs.ext4 -d packs as is.
+    # The guest installs exactly the files of the RPMs' file lists (install.sh) and its test
+    # checks every one against the digest recorded in the RPM header (files.tsv), so what runs
+    # in the guest is provably the package's payload, not the source tree.
+    # --nocheck: `make check` runs the unit tests already.
+    "$REPO/scripts/build-rpm.sh" --nocheck "$OUT/rpm" >"$OUT/rpm.log" 2>&1 ||
+        die "building the RPMs failed: see $OUT/rpm.log"
+    mkdir -p "$P/rpm/root"
+    for rpmf in "$OUT"/rpm/*.noarch.rpm; do
+        name=$(rpm -qp --qf '%{NAME}' "$rpmf")
+        cp "$rpmf" "$P/rpm/"
+        (cd "$P/rpm/root" && rpm2cpio "$rpmf" | cpio -idm --quiet --no-absolute-filenames) ||
+            die "unpacking $rpmf failed"
+        # One line per file: path, mode (octal), sha256 digest (empty for directories), flags.
+        rpm -qp --qf '[%{FILENAMES}\t%{FILEMODES:octal}\t%{FILEDIGESTS}\t%{FILEFLAGS:fflags}\n]' \
+            "$rpmf" >"$P/rpm/$name.files.tsv"
+        rpm -qp --qf '%{FILEDIGESTALGO}\n' "$rpmf" >"$P/rpm/$name.digestalgo"
+        rpm -qp --qf '%{POSTIN}' "$rpmf" | sed '/^(none)$/d' >"$P/rpm/$name.post"
+        rpm -qp --qf '%{NEVRA}\n' "$rpmf" >"$P/rpm/$name.nevra"
+    done
+    [ -f "$P/rpm/kvcd.files.tsv" ] || die "no kvcd RPM in $OUT/rpm"
+    log "payload: $(cat "$P"/rpm/*.nevra | paste -sd' ')"
 else
-    log "WARNING: $REPO/systemd/kvcd@.service missing; using tests/e2e/guest/kvcd@.service"
-    cp "$REPO/tests/e2e/guest/kvcd@.service" "$P/units/"
+    # Build from a copy so no build/ or *.egg-info lands in the checkout; offline first, then
+    # with build isolation (needs the PyPI mirror) when the local interpreter lacks `wheel`.
+    SRC=$OUT/src
+    mkdir -p "$SRC"
+    cp -r "$REPO/pyproject.toml" "$REPO/kvcd" "$SRC/"
+    for f in README.md README.rst LICENSE setup.cfg setup.py MANIFEST.in; do
+        if [ -e "$REPO/$f" ]; then cp "$REPO/$f" "$SRC/"; fi
+    done
+    find "$SRC" -name __pycache__ -prune -exec rm -rf {} +
+    PY=python3
+    [ -x "$REPO/.venv/bin/python" ] && PY=$REPO/.venv/bin/python
+    if ! "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --disable-pip-version-check \
+        -w "$P/wheels" "$SRC" >"$OUT/wheel.log" 2>&1 &&
+        ! "$PY" -m pip wheel --quiet --no-deps --disable-pip-version-check \
+            -w "$P/wheels" "$SRC" >>"$OUT/wheel.log" 2>&1; then
+        log "WARNING: building the kvcd wheel failed (see $OUT/wheel.log); kvcd scenarios will fail"
+    fi
+    rm -rf "$SRC"
+    if [ -f "$REPO/systemd/kvcd@.service" ]; then
+        find "$REPO/systemd" -maxdepth 1 -type f \
+            \( -name '*.service' -o -name '*.timer' -o -name '*.path' -o -name '*.socket' \) \
+            -exec cp {} "$P/units/" \;
+    else
+        log "WARNING: $REPO/systemd/kvcd@.service missing; using tests/e2e/guest/kvcd@.service"
+        cp "$REPO/tests/e2e/guest/kvcd@.service" "$P/units/"
+    fi
+    mkdir -p "$P/shim"
+    cp "$REPO/packaging/kmods-via-containers" "$P/shim/"
 fi
 cp -r "$REPO/tests/e2e/guest" "$P/guest"
 cp -r "$REPO/tests/e2e/driver" "$P/driver"
@@ -107,15 +152,20 @@ fi
 # guest under TCG (minutes each); scenario (a) still compiles inside the driver container, the
 # KVC way. Only when this host has the guest kernel's headers: otherwise the scenarios build
 # from source (slower, same result).
-if [ -f "/usr/src/linux-headers-$KVER/Makefile" ]; then
-    for v in 1.0 2.0 3.0; do
-        "$REPO/scripts/build-test-kmods.sh" "$KVER" "$P/driver/prebuilt/$v" "$v" \
-            >>"$OUT/prebuilt.log" 2>&1 || die "compiling the test modules failed: $OUT/prebuilt.log"
-        rm -f "$P/driver/prebuilt/$v/Module.symvers"
-    done
-else
-    log "no linux-headers-$KVER on this host: later scenarios compile in the guest (slower)"
-fi
+# Layout: prebuilt/<kernel>/<KMODVER>/ (Containerfile.prebuilt), for the guest kernel and the
+# second one (the next-kernel scenario).
+for k in $KVER $KVER2; do
+    if [ -f "/usr/src/linux-headers-$k/Makefile" ]; then
+        for v in 1.0 2.0 3.0; do
+            "$REPO/scripts/build-test-kmods.sh" "$k" "$P/driver/prebuilt/$k/$v" "$v" \
+                >>"$OUT/prebuilt.log" 2>&1 ||
+                die "compiling the test modules for $k failed: $OUT/prebuilt.log"
+            rm -f "$P/driver/prebuilt/$k/$v/Module.symvers"
+        done
+    else
+        log "no linux-headers-$k on this host: scenarios compile for $k in the guest (slower)"
+    fi
+done
 find "$P" -name __pycache__ -prune -exec rm -rf {} +
 mkfs.ext4 -q -F -L kvcde2e -E root_owner=0:0 -d "$P" "$OUT/payload.img" 1G >/dev/null
 qemu-img create -q -f qcow2 -F raw -b "$GUEST/base.img" "$OUT/overlay.qcow2"
@@ -142,32 +192,81 @@ cpu=max
 [ "$accel" = kvm ] && cpu=host
 log "booting guest (kernel $KVER, accel $accel, mode $MODE, timeout ${TIMEOUT}s); console: $OUT/console.log"
 
-# --- boot -------------------------------------------------------------------------------------
+# --- boot (again after each reboot the guest asks for) ----------------------------------------
+R=$OUT/results
+boot=0
+kernel=$GUEST/vmlinuz
+initrd=$GUEST/initrd.img
+boot_kver=$KVER
 T2=$(date +%s)
-set +e
-timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
-    -accel "$accel" -cpu "$cpu" -smp "$SMP" -m "$MEM" -nographic -no-reboot -nic none \
-    -kernel "$GUEST/vmlinuz" -initrd "$GUEST/initrd.img" \
-    -drive "file=$OUT/overlay.qcow2,format=qcow2,if=virtio,cache=unsafe" \
-    -drive "file=$OUT/payload.img,format=raw,if=virtio,cache=unsafe" \
-    -append "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1 ${KVCD_E2E_APPEND:-}" \
-    </dev/null >"$OUT/console.log" 2>&1
-qrc=$?
-set -e
+: >"$OUT/boots.txt"
+while :; do
+    boot=$((boot + 1))
+    console=$OUT/console.log
+    [ $boot -eq 1 ] || console=$OUT/console-boot$boot.log
+    log "boot $boot: kernel $boot_kver; console: $console"
+    tb=$(date +%s)
+    set +e
+    timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
+        -accel "$accel" -cpu "$cpu" -smp "$SMP" -m "$MEM" -nographic -no-reboot -nic none \
+        -kernel "$kernel" -initrd "$initrd" \
+        -drive "file=$OUT/overlay.qcow2,format=qcow2,if=virtio,cache=unsafe" \
+        -drive "file=$OUT/payload.img,format=raw,if=virtio,cache=unsafe" \
+        -append "console=ttyS0 root=/dev/vda rw panic=-1 systemd.show_status=1 ${KVCD_E2E_APPEND:-}" \
+        </dev/null >"$console" 2>&1 &
+    qpid=$!
+    # When the e2e units cannot start (no payload disk), the guest would idle at its login
+    # prompt until the timeout: stop it as soon as the console says so.
+    while kill -0 "$qpid" 2>/dev/null; do
+        if grep -a -q -E 'Dependency failed for .*kvcd e2e: run' \
+            "$console" 2>/dev/null; then
+            log "the guest's e2e units could not start (see $console): stopping qemu"
+            sleep 5
+            kill "$qpid" 2>/dev/null
+            break
+        fi
+        sleep 5
+    done
+    wait "$qpid"
+    qrc=$?
+    set -e
+    echo "boot$boot $boot_kver $(($(date +%s) - tb))s rc $qrc" >>"$OUT/boots.txt"
+    [ $qrc -eq 124 ] && log "qemu TIMED OUT after ${TIMEOUT}s (boot $boot)"
+    rm -rf "$R"
+    debugfs -R "rdump /results $OUT" "$OUT/payload.img" >"$OUT/debugfs.log" 2>&1 || true
+    # A reboot request: results/reboot names the kernel release, results/boot/ has its files.
+    if [ $qrc -ne 0 ] || [ -f "$R/done" ] || [ ! -f "$R/reboot" ]; then break; fi
+    boot_kver=$(tr -d '[:space:]' <"$R/reboot")
+    if [ $boot -ge "$MAX_BOOTS" ]; then
+        log "the guest asked for boot $((boot + 1)) (kernel $boot_kver): more than KVCD_E2E_MAX_BOOTS=$MAX_BOOTS"
+        break
+    fi
+    if [ "$boot_kver" = "$KVER" ]; then
+        kernel=$GUEST/vmlinuz initrd=$GUEST/initrd.img
+    else
+        kernel=$R/boot/vmlinuz-$boot_kver initrd=$R/boot/initrd.img-$boot_kver
+        if [ ! -s "$kernel" ] || [ ! -s "$initrd" ]; then
+            log "the guest asked to boot $boot_kver but left no results/boot/{vmlinuz,initrd.img}-$boot_kver"
+            break
+        fi
+        mkdir -p "$OUT/boot"
+        cp "$kernel" "$initrd" "$OUT/boot/"
+        kernel=$OUT/boot/vmlinuz-$boot_kver initrd=$OUT/boot/initrd.img-$boot_kver
+    fi
+done
 T_QEMU=$(($(date +%s) - T2))
-[ $qrc -eq 124 ] && log "qemu TIMED OUT after ${TIMEOUT}s"
 
 # --- results ----------------------------------------------------------------------------------
-debugfs -R "rdump /results $OUT" "$OUT/payload.img" >"$OUT/debugfs.log" 2>&1 || true
 [ -n "${KVCD_E2E_KEEP:-}" ] || rm -f "$OUT/overlay.qcow2"
-R=$OUT/results
 {
     echo "guest_build_or_reuse ${T_BUILD}s"
     echo "payload ${T_PAYLOAD}s"
-    echo "qemu_total ${T_QEMU}s (accel $accel, rc $qrc)"
+    echo "qemu_total ${T_QEMU}s (accel $accel, rc $qrc, boots $boot)"
+    sed 's/^/qemu_/' "$OUT/boots.txt"
     [ -f "$R/timings.txt" ] && sed 's/^/guest: /' "$R/timings.txt"
-    up=$(sed -n 's/^artifacts_done_uptime //p' "$R/timings.txt" 2>/dev/null || true)
-    [ -n "$up" ] && echo "shutdown_and_qemu_overhead $(awk -v q="$T_QEMU" -v u="$up" \
+    up=$(sed -n 's/^artifacts_done_uptime //p' "$R/timings.txt" 2>/dev/null | tail -n 1 || true)
+    last=$(tail -n 1 "$OUT/boots.txt" | awk '{print $3}' | tr -d s)
+    [ -n "$up" ] && [ -n "$last" ] && echo "shutdown_and_qemu_overhead_last_boot $(awk -v q="$last" -v u="$up" \
         'BEGIN{printf "%.0f", q-u}')s"
 } >"$OUT/times.txt"
 cat "$OUT/times.txt" >&2

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="VM e2e test: run with `pytest -m e2e tests/e2e` or `make e2e`")
     for item in items:
-        if "e2e" in item.keywords:
+        if item.get_closest_marker("e2e") is not None:
             item.add_marker(skip)
 
 
@@ -44,13 +44,15 @@ class GuestCase:
     seconds: float
     outcome: str  # passed | failed | error | skipped
     message: str = ""
+    junit: str = ""  # the junit file it came from
 
 
 @dataclass
 class GuestRun:
     out: Path
     mode: str
-    cases: dict[str, GuestCase] = field(default_factory=dict)
+    cases: list[GuestCase] = field(default_factory=list)
+    harness_error: str = ""  # set when run-guest.sh failed: the guest did not finish
 
     @property
     def results(self) -> Path:
@@ -63,26 +65,58 @@ class GuestRun:
             f"guest pytest log: {self.results / 'entry.log'}"
         )
 
-    def check(self, name: str) -> GuestCase:
-        case = self.cases.get(name)
-        if case is None:
-            pytest.fail(f"guest did not report {name}\n{self.where()}", pytrace=False)
-        if case.outcome == "skipped":
-            pytest.skip(f"skipped in the guest: {case.message}")
-        if case.outcome != "passed":
+    def check(self, name: str, module: str | None = None) -> list[GuestCase]:
+        """Assert the guest test `name` (of guest file `module`, e.g. "guest_scenarios"; a
+        parametrized test counts as all of its cases) passed; skip when the guest skipped it."""
+        found = [
+            c
+            for c in self.cases
+            if (c.name == name or c.name.startswith(name + "["))
+            and (module is None or c.classname == module or c.classname.startswith(module + "."))
+        ]
+        where = f"{module}::{name}" if module else name
+        if not found:
             pytest.fail(
-                f"guest {case.outcome}: {case.name} ({case.seconds:.1f}s)\n"
-                f"{case.message[-6000:]}\n{self.where()}",
+                f"guest did not report {where}\n{self.harness_error}{self.where()}", pytrace=False
+            )
+        bad = [c for c in found if c.outcome in ("failed", "error")]
+        if bad:
+            pytest.fail(
+                "\n".join(
+                    f"guest {c.outcome}: {c.classname}::{c.name} ({c.seconds:.1f}s)\n"
+                    f"{c.message[-6000:]}"
+                    for c in bad
+                )
+                + f"\n{self.where()}",
                 pytrace=False,
             )
-        return case
+        if all(c.outcome == "skipped" for c in found):
+            pytest.skip(f"skipped in the guest: {found[0].message}")
+        return found
+
+    def file_errors(self, module: str) -> list[GuestCase]:
+        """Errors of guest file `module`'s own session that belong to no test of it: a failed
+        import (collection error) or a pytest internal error."""
+        return [
+            c
+            for c in self.cases
+            if c.junit.startswith(f"junit-{module}")
+            and c.outcome == "error"
+            and not c.classname.startswith(module)
+        ]
 
 
-def _parse_junit(path: Path) -> dict[str, GuestCase]:
-    cases: dict[str, GuestCase] = {}
+def _parse_junit(path: Path) -> list[GuestCase]:
+    cases: list[GuestCase] = []
     if not path.exists():
         return cases
-    for tc in ET.parse(path).getroot().iter("testcase"):
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:  # a guest session killed mid-write
+        return [
+            GuestCase("", path.name, 0.0, "error", f"unreadable junit {path}: {exc}", path.name)
+        ]
+    for tc in root.iter("testcase"):
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             el = tc.find(tag)
@@ -94,9 +128,25 @@ def _parse_junit(path: Path) -> dict[str, GuestCase]:
         if outcome in ("failed", "error") and out is not None and out.text:
             message += "\n--- guest stdout ---\n" + out.text[-4000:]
         name = tc.get("name", "")
-        cases[name] = GuestCase(
-            tc.get("classname", ""), name, float(tc.get("time", 0)), outcome, message.strip()
+        cases.append(
+            GuestCase(
+                tc.get("classname", ""),
+                name,
+                float(tc.get("time", 0)),
+                outcome,
+                message.strip(),
+                path.name,
+            )
         )
+    return cases
+
+
+def parse_results(results: Path) -> list[GuestCase]:
+    """Every guest junit file of a run: junit-guest.xml (smoke + core scenarios + KVC shim),
+    junit-scenarios_<x>.xml (one per extra scenario file), junit-reboot_<x>-boot<N>.xml."""
+    cases: list[GuestCase] = []
+    for path in sorted(results.glob("junit-*.xml")):
+        cases.extend(_parse_junit(path))
     return cases
 
 
@@ -108,27 +158,35 @@ def guest_run() -> GuestRun:
     mode = os.environ.get("KVCD_E2E_MODE", "e2e")
     if os.environ.get("KVCD_E2E_RESULTS"):
         out = Path(os.environ["KVCD_E2E_RESULTS"])
+        rc = 0 if (out / "results" / "done").exists() else 3
     else:
         out = Path(os.environ.get("KVCD_E2E_OUT", REPO / "out" / "e2e" / mode))
-        timeout = int(os.environ.get("KVCD_E2E_TIMEOUT", "2700")) + 1200  # + guest build
+        # Each boot is bounded by KVCD_E2E_TIMEOUT; + the guest build.
+        boots = int(os.environ.get("KVCD_E2E_MAX_BOOTS", "3"))
+        timeout = int(os.environ.get("KVCD_E2E_TIMEOUT", "5400")) * boots + 1200
         p = subprocess.run(
             [str(RUN_GUEST), "--mode", mode, "--out", str(out)], timeout=timeout, check=False
         )
-        if p.returncode != 0:
-            pytest.fail(
-                f"run-guest.sh failed (rc {p.returncode}): the harness did not finish.\n"
-                f"console log: {out / 'console.log'}",
-                pytrace=False,
-            )
+        rc = p.returncode
     mode = (
         (out / "payload" / "mode").read_text().strip()
         if (out / "payload" / "mode").exists()
         else mode
     )
-    run = GuestRun(out=out, mode=mode, cases=_parse_junit(out / "results" / "junit-guest.xml"))
+    run = GuestRun(out=out, mode=mode, cases=parse_results(out / "results"))
+    if rc != 0:
+        # The guest stopped early (qemu timeout, a crash): what it reported still counts, the
+        # rest fails as "did not report" with this note.
+        run.harness_error = (
+            f"run-guest.sh failed (rc {rc}): the guest did not finish (timed out or crashed; "
+            f"see {out / 'times.txt'}).\n"
+        )
     _SESSION["run"] = run
     if not run.cases:
-        pytest.fail(f"no guest test results in {out / 'results'}\n{run.where()}", pytrace=False)
+        pytest.fail(
+            f"no guest test results in {out / 'results'}\n{run.harness_error}{run.where()}",
+            pytrace=False,
+        )
     return run
 
 
@@ -141,6 +199,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
     times = run.out / "times.txt"
     if times.exists():
         tr.write(times.read_text())
-    for c in run.cases.values():
-        tr.write_line(f"guest {c.outcome:7} {c.seconds:7.1f}s  {c.name}")
+    for c in run.cases:
+        tr.write_line(f"guest {c.outcome:7} {c.seconds:7.1f}s  {c.classname}::{c.name}")
     tr.write_line(f"artifacts: {run.out}")

@@ -1,19 +1,81 @@
 #!/bin/bash
 # Runs in the e2e guest at boot (kvcd-e2e-install.service, from the base image): installs this
-# run's kvcd wheel, unit files, driver build context and instance config from the payload disk.
+# run's kvcd, driver build context and instance config from the payload disk. Once per run: a
+# later boot of the same run (a reboot scenario) keeps what the scenarios changed.
+#
+# kvcd comes from the RPMs' payload (payload/install-method = rpm, the default): run-guest.sh
+# unpacked the RPMs with rpm2cpio | cpio into payload/rpm/root and listed each package's files
+# (payload/rpm/<name>.files.tsv, from the RPM header). This installs exactly those files, as rpm
+# would (modes from the header), then runs each package's %post scriptlet with $1 = 1 (first
+# install). guest_scenarios.py's test_kvcd_from_rpm_payload checks the result against the
+# header's digests. With install-method = wheel: the kvcd wheel, unpacked (the pre-RPM way).
 set -euo pipefail
 P=/mnt/e2e
 R=$P/results
+MARK=/var/lib/kvcd-e2e/installed
 mkdir -p "$R"
 exec > >(tee -a "$R/install.log") 2>&1
 echo "kvcd-e2e install: $(date -u +%FT%TZ) uptime $(cut -d' ' -f1 /proc/uptime)"
+if [ -f "$MARK" ]; then
+    echo "already installed in an earlier boot of this run ($(cat "$MARK")): nothing to do"
+    exit 0
+fi
+method=$(cat "$P/install-method" 2>/dev/null || echo wheel)
 
 shopt -s nullglob
-wheels=("$P"/wheels/kvcd-*.whl)
-if [ ${#wheels[@]} -gt 0 ]; then
-    # A pure-Python wheel is a zip: unpacking it (and writing its console scripts) takes a
-    # second, where `pip install` takes ~30 s under TCG.
-    python3 - "${wheels[@]}" <<'PY'
+if [ "$method" = rpm ]; then
+    python3 - "$P/rpm" <<'PY'
+import os, pathlib, shutil, stat, sys
+rpm = pathlib.Path(sys.argv[1])
+root = rpm / "root"
+sitelibs = set()
+for tsv in sorted(rpm.glob("*.files.tsv")):
+    n = 0
+    for line in tsv.read_text().splitlines():
+        path, mode_s, _digest, flags = (line.split("\t") + ["", "", ""])[:4]
+        mode = int(mode_s, 8)
+        if "g" in flags:  # %ghost: owned by the package, not in its payload
+            continue
+        src, dst = root / path.lstrip("/"), pathlib.Path(path)
+        if stat.S_ISDIR(mode):
+            dst.mkdir(parents=True, exist_ok=True)
+            os.chmod(dst, stat.S_IMODE(mode))
+        elif stat.S_ISLNK(mode):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            os.symlink(os.readlink(src), dst)
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".rpmnew-e2e")
+            shutil.copyfile(src, tmp)
+            os.chmod(tmp, stat.S_IMODE(mode))
+            os.replace(tmp, dst)
+        n += 1
+        if path.endswith("/kvcd/__init__.py"):
+            sitelibs.add(str(pathlib.Path(path).parent.parent))
+    print(f"installed {n} entries of {tsv.name.removesuffix('.files.tsv')}")
+# Fedora's python3 has /usr/lib/python3.X/site-packages (the RPM's %{python3_sitelib}) on
+# sys.path; Debian's python3 does not, so point it there with a .pth file.
+want = f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"
+if sitelibs != {want}:
+    sys.exit(f"the RPM puts kvcd in {sorted(sitelibs)}, this guest's python3 reads {want}")
+pth = pathlib.Path("/usr/lib/python3/dist-packages/kvcd-rpm-sitelib.pth")
+pth.write_text(want + "\n")
+print(f"{pth}: {want}")
+PY
+    for post in "$P"/rpm/*.post; do
+        [ -s "$post" ] || continue
+        echo "running %post of $(basename "$post" .post) (\$1 = 1)"
+        bash -e "$post" 1
+    done
+    echo "installed $(cat "$P"/rpm/*.nevra | paste -sd' ') from the RPM payload"
+else
+    wheels=("$P"/wheels/kvcd-*.whl)
+    if [ ${#wheels[@]} -gt 0 ]; then
+        # A pure-Python wheel is a zip: unpacking it (and writing its console scripts) takes a
+        # second, where `pip install` takes ~30 s under TCG.
+        python3 - "${wheels[@]}" <<'PY'
 import configparser, pathlib, shutil, sys, zipfile
 # Debian: /usr/local/lib/python3.X/dist-packages is on sys.path (where pip would install).
 site = pathlib.Path(f"/usr/local/lib/python{sys.version_info[0]}.{sys.version_info[1]}"
@@ -37,20 +99,25 @@ for whl in sys.argv[1:]:
                 script.chmod(0o755)
     print("unpacked", whl, "into", site)
 PY
-    # Units may name /usr/bin/kvcd (as an RPM installs it); pip puts it in /usr/local/bin.
-    [ -e /usr/bin/kvcd ] || ln -s /usr/local/bin/kvcd /usr/bin/kvcd
-    echo "installed ${wheels[*]##*/}"
-else
-    echo "no kvcd wheel on the payload disk: kvcd scenarios will fail, smoke still runs"
+        # Units may name /usr/bin/kvcd (as an RPM installs it); pip puts it in /usr/local/bin.
+        [ -e /usr/bin/kvcd ] || ln -s /usr/local/bin/kvcd /usr/bin/kvcd
+        echo "installed ${wheels[*]##*/}"
+    else
+        echo "no kvcd wheel on the payload disk: kvcd scenarios will fail, smoke still runs"
+    fi
+    for u in "$P"/units/*; do
+        install -m 0644 "$u" "/etc/systemd/system/${u##*/}"
+        echo "installed unit ${u##*/}"
+    done
+    if [ -f "$P/shim/kmods-via-containers" ]; then
+        install -m 0755 "$P/shim/kmods-via-containers" /usr/local/bin/kmods-via-containers
+    fi
 fi
-for u in "$P"/units/*; do
-    install -m 0644 "$u" "/etc/systemd/system/${u##*/}"
-    echo "installed unit ${u##*/}"
-done
 
 mkdir -p /var/lib/kvcd-e2e /etc/kvcd/instances
 rm -rf /var/lib/kvcd-e2e/driver
 cp -r "$P/driver" /var/lib/kvcd-e2e/driver
 install -m 0644 "$P/driver/e2e-kmod.toml" /etc/kvcd/instances/e2e-kmod.toml
 systemctl daemon-reload
+echo "$method $(date -u +%FT%TZ)" >"$MARK"
 echo "kvcd-e2e install done: uptime $(cut -d' ' -f1 /proc/uptime)"

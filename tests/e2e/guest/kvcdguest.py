@@ -28,9 +28,18 @@ def sh(
 ) -> subprocess.CompletedProcess[str]:
     """Run argv, log it (pytest shows it on failure), return the completed process."""
     t0 = time.monotonic()
-    p = subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=timeout, input=input, check=False
-    )
+    try:
+        p = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, input=input, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        # Killed after `timeout`: rc 124 as timeout(1) says, so check=False callers go on.
+        out, err = (
+            s.decode(errors="replace") if isinstance(s, bytes) else (s or "")
+            for s in (exc.stdout, exc.stderr)
+        )
+        err += f"\n(timed out after {timeout}s)"
+        p = subprocess.CompletedProcess(list(argv), 124, out, err)
     dt = time.monotonic() - t0
     print(f"$ {' '.join(argv)}  [rc={p.returncode}, {dt:.1f}s]")
     if p.stdout.strip():
@@ -64,7 +73,22 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
         if last:
             return last
         time.sleep(interval)
+    diagnose()
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def diagnose() -> None:
+    """Print what kvcd is doing (pytest keeps it in the junit file the host shows)."""
+    for argv in (
+        ["kvcd", "status"],
+        ["systemctl", "status", "--no-pager", "--full", "-n", "0", "kvcd@*"],
+        ["journalctl", "-b", "--no-pager", "-n", "150", "-u", "kvcd@*", "-u", "podman.service"],
+        ["ps", "-eo", "pid,etimes,args", "--sort=start_time"],
+    ):
+        try:
+            sh(argv, check=False, timeout=60)
+        except Exception as exc:  # diagnostics must not hide the real failure
+            print(f"diagnose: {argv[0]}: {exc}")
 
 
 def kvcd_status(instance: str = INSTANCE) -> dict[str, Any] | None:
@@ -127,6 +151,32 @@ def set_instance(path: Path = INSTANCE_FILE, **values: Any) -> None:
             text = head + text[head_end:]
     path.write_text(text)
     print(f"{path}:\n{text}")
+
+
+def containerfile(version: str, kernel: str | None = None) -> str:
+    """The prebuilt-modules Containerfile when run-guest.sh compiled `version` for `kernel`
+    (default: the running one) on the host, else the one that compiles in the guest."""
+    k = kernel or os.uname().release
+    if (DRIVER_DIR / "prebuilt" / k / version / "kvcd_user.ko").exists():
+        return "Containerfile.prebuilt"
+    return "Containerfile"
+
+
+STATE_DIR = Path(os.environ.get("KVCD_E2E_STATE_DIR", "/var/lib/kvcd-e2e"))  # entry.sh's
+
+
+def boot_number() -> int:
+    """Which boot of this run the guest is in (1, then 2 after a reboot; entry.sh counts)."""
+    return int(os.environ.get("KVCD_E2E_BOOT", "1"))
+
+
+def request_reboot(kernel: str | None = None) -> None:
+    """Ask entry.sh to reboot the guest (into `kernel`, a release with /boot/vmlinuz-<it> and
+    /boot/initrd.img-<it>; default the running one) once this pytest session ends. Tests that
+    run after the reboot carry @pytest.mark.boot(N) (see conftest.py)."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (STATE_DIR / "reboot-request").write_text((kernel or os.uname().release) + "\n")
+    print(f"reboot requested into {kernel or os.uname().release} after boot {boot_number()}")
 
 
 def image_ids() -> set[str]:

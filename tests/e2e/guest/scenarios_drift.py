@@ -1,0 +1,150 @@
+"""Guest-side drift scenarios (issue #5), run in order by pytest inside the VM guest after
+guest_scenarios.py left kvcd@e2e-kmod loaded (Done). Each test leaves it Done again.
+
+(g1) rmmod an instance module -> Degraded (ModuleRemoved) within 1 s (udev)
+(g2) the same with on_external_unload = "reload" -> reloaded by kvcd
+(g3) edit a kvcd-owned file (module in the store tree) -> Degraded (Drift) -> restore -> Done
+     without any command
+(g4) edit modules.dep in kvcd's module root -> Degraded; force file -> re-applied, consumed
+(g5) `kvcd status` says how many files are watched
+
+Contracts used: `kvcd status --json` (state, reason, drift.line), journald MESSAGE_ID,
+/run/kvcd/<instance>.force, /var/lib/kvcd/modules/lib/modules/<kernel>/extra/<instance>.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvcdguest import (
+    INSTANCE,
+    INSTANCE_FILE,
+    kvcd_status,
+    proc_modules,
+    record_timing,
+    sh,
+    state_is,
+    wait_for,
+)
+
+UNIT = f"kvcd@{INSTANCE}.service"
+MODS = ("kvcd_base", "kvcd_user")
+MODULE_ROOT = Path("/var/lib/kvcd/modules")
+FORCE = Path(f"/run/kvcd/{INSTANCE}.force")
+MSG_DRIFT = "252f3e49f0504b239c3a547f9c1f06d9"
+MSG_MODULE_EXTERNAL = "1aae7027ab3b4d87a66a3f766382769a"
+MSG_DRIFT_FORCED = "64e2f77bf2d341f8a17ce4dafe6ecbf1"
+
+
+def kdir() -> Path:
+    return MODULE_ROOT / "lib" / "modules" / os.uname().release
+
+
+def store_tree() -> Path:
+    link = kdir() / "extra" / INSTANCE
+    return Path(os.path.realpath(link))
+
+
+def set_top_level(key: str, rendered: str) -> None:
+    """Add or replace a top-level `key = value` line of the instance file."""
+    text = INSTANCE_FILE.read_text()
+    pat = re.compile(rf"^{re.escape(key)}\s*=.*$", re.M)
+    if pat.search(text):
+        text = pat.sub(f"{key} = {rendered}", text, count=1)
+    else:
+        text = f"{key} = {rendered}\n" + text
+    INSTANCE_FILE.write_text(text)
+
+
+def journal_has(message_id: str, since: str) -> bool:
+    out = sh(["journalctl", "-o", "cat", "--since", since, f"MESSAGE_ID={message_id}"], check=False)
+    return bool(out.stdout.strip())
+
+
+def settle_done() -> dict[str, Any]:
+    return wait_for(state_is("Done"), 300, f"{INSTANCE} Done")
+
+
+@pytest.fixture(autouse=True)
+def _done_before_and_after() -> Iterator[None]:
+    st = kvcd_status()
+    if not st or st.get("state") != "Done":
+        sh(["systemctl", "restart", UNIT], timeout=900)
+    settle_done()
+    yield
+    if FORCE.exists():
+        FORCE.unlink()
+
+
+def test_g1_rmmod_degrades_within_a_second() -> None:
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    sh(["rmmod", "kvcd_user"])
+    t0 = time.monotonic()
+    st = wait_for(state_is("Degraded"), 10, "Degraded after rmmod", interval=0.05)
+    dt = time.monotonic() - t0
+    record_timing("drift_rmmod_to_degraded", dt)
+    assert st["reason"].startswith("ModuleRemoved: kvcd_user"), st
+    assert dt < 1.0, f"Degraded after {dt:.2f}s"
+    assert "kvcd_user" not in proc_modules()  # kvcd did not reload it
+    assert journal_has(MSG_MODULE_EXTERNAL, since)
+    sh(["systemctl", "reload", UNIT], timeout=600)  # a reload is the way back
+    settle_done()
+    assert all(m in proc_modules() for m in MODS)
+
+
+def test_g2_rmmod_reloads_with_policy_reload() -> None:
+    set_top_level("on_external_unload", '"reload"')
+    sh(["systemctl", "reload", UNIT], timeout=600)
+    settle_done()
+    sh(["rmmod", "kvcd_user"])
+    wait_for(lambda: "kvcd_user" in proc_modules(), 30, "kvcd to reload kvcd_user", interval=0.2)
+    settle_done()
+    set_top_level("on_external_unload", '"degrade"')
+    sh(["systemctl", "reload", UNIT], timeout=600)
+    settle_done()
+
+
+def test_g3_edit_owned_file_degrades_then_restore_recovers() -> None:
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    ko = store_tree() / "kvcd_user.ko"
+    good = ko.read_bytes()
+    t0 = time.monotonic()
+    with ko.open("ab") as f:
+        f.write(b"\0drift")
+    st = wait_for(state_is("Degraded"), 10, "Degraded after the edit", interval=0.05)
+    record_timing("drift_write_to_degraded", time.monotonic() - t0)
+    assert st["reason"].startswith(f"Drift: {ko}: content"), st
+    assert "sha256" in st["reason"] and "\\0drift" not in st["reason"]  # hashes, not bytes
+    assert journal_has(MSG_DRIFT, since)
+    ko.write_bytes(good)  # restore: no command
+    st = wait_for(state_is("Done"), 30, "Done after restoring", interval=0.1)
+    assert st["reason"] == ""
+
+
+def test_g4_force_file_reapplies_and_is_consumed() -> None:
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    dep = kdir() / "modules.dep"
+    dep.write_text(dep.read_text() + "extra/evil.ko:\n")
+    st = wait_for(state_is("Degraded"), 10, "Degraded after editing modules.dep", interval=0.05)
+    assert f"{dep}: content" in st["reason"], st
+    FORCE.write_text("")
+    wait_for(lambda: not FORCE.exists(), 30, "the force file to be consumed", interval=0.1)
+    st = settle_done()
+    assert "evil" not in dep.read_text()  # depmod rewrote it from kvcd's tree
+    assert all(m in proc_modules() for m in MODS)
+    assert journal_has(MSG_DRIFT_FORCED, since)
+    assert not FORCE.exists()
+
+
+def test_g5_status_says_what_is_watched() -> None:
+    st = kvcd_status()
+    assert st and st.get("drift"), st
+    assert re.fullmatch(r"watching \d+ files", st["drift"]["line"]), st["drift"]
+    out = sh(["kvcd", "status"]).stdout
+    assert "drift: watching" in out

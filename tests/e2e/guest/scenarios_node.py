@@ -1,0 +1,158 @@
+"""Guest-side scenarios for node state (issue #6), run by pytest inside the VM guest, in order.
+
+(n1) Ordered upgrade driven by `kvcd label` (the file backend, /var/lib/kvcd/node.json): no label
+     -> nothing loaded; label 1.0 -> 1.0 loaded and `<p>/<instance>.ready = 1.0`; config moved to
+     2.0 and reloaded -> 1.0 stays (UpgradePending); label 2.0 -> 1.0 out, 2.0 in; label removed
+     -> unloaded. Every step checks /proc/modules, `kvcd status` and the node annotations.
+(n2) A module held by something kvcd does not own -> the unload is refused (ModuleInUse), the
+     holder is named in the reason, in `kvcd status` and in the journal (KVCD_HOLDERS), and the
+     module stays loaded. The test modules register no device node, so the holder here is a
+     module loaded by hand (kvcd_user holding kvcd_base); a process holding a device node is
+     covered on the host (tests/unit/test_node_procs.py, test_drain.py).
+(n3) drain = "cluster": the same blocked unload becomes a node drain request (`kvcd.io/drain =
+     Drain_Required`); `kvcd annotate kvcd.io/drain-current=DrainComplete` plays the drain
+     controller after the holder is gone; the change is applied and the request goes back to Idle.
+
+Uses its own instance (e2e-node) with the e2e driver's modules, so it stops kvcd@e2e-kmod first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvcdguest import (
+    DRIVER_DIR,
+    containerfile,
+    module_version,
+    proc_modules,
+    sh,
+    state_is,
+    wait_for,
+)
+
+NAME = "e2e-node"
+UNIT = f"kvcd@{NAME}.service"
+CONF = Path(f"/etc/kvcd/instances/{NAME}.toml")
+NODE = Path("/var/lib/kvcd/node.json")
+LABEL = f"kvcd.io/version.{NAME}"
+MODS = ("kvcd_base", "kvcd_user")
+BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
+
+
+def write_instance(version: str, modules: tuple[str, ...] = MODS, drain: str = "none") -> None:
+    mods = ", ".join(json.dumps(m) for m in modules)
+    CONF.write_text(
+        f'version = "{version}"\nmodules = [{mods}]\nordered_upgrade = true\ndrain = "{drain}"\n'
+        f'[build]\ncontext = "{DRIVER_DIR}"\ncontainerfile = "{containerfile(version)}"\n'
+        '[params.kvcd_user]\ngreeting = "node"\n'
+    )
+    CONF.chmod(0o644)
+    print(CONF.read_text())
+
+
+def annotations() -> dict[str, str]:
+    data = json.loads(NODE.read_text()) if NODE.exists() else {}
+    return dict(data.get("annotations") or {})
+
+
+def ann(suffix: str) -> str | None:
+    return annotations().get(f"kvcd.io/{NAME}.{suffix}")
+
+
+def loaded() -> dict[str, list[str]]:
+    return {m: u for m, u in proc_modules().items() if m in MODS}
+
+
+def settle(*states: str) -> dict[str, Any]:
+    return wait_for(state_is(*states, instance=NAME), BUILD_TIMEOUT, f"{NAME} in {states}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def node_instance() -> Any:
+    sh(["systemctl", "stop", "kvcd@e2e-kmod.service"], check=False, timeout=600)
+    wait_for(lambda: not loaded(), 120, "e2e-kmod's modules to be unloaded")
+    sh(["kvcd", "label", f"{LABEL}-"])
+    write_instance("1.0")
+    yield
+    sh(["systemctl", "stop", UNIT], check=False, timeout=600)
+    sh(["rmmod", "kvcd_user"], check=False)
+    sh(["rmmod", "kvcd_base"], check=False)
+    CONF.unlink(missing_ok=True)
+
+
+def test_n1_label_drives_ordered_upgrade() -> None:
+    sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+    st = settle("Done", "Degraded")
+    assert st["state"] == "Done" and st["goal"] == "unloaded", st
+    assert st["reason"].startswith("LabelAbsent"), st
+    assert not loaded()
+    assert ann("state") == "Done" and ann("ready") is None
+
+    sh(["kvcd", "label", f"{LABEL}=1.0"])
+    wait_for(lambda: set(loaded()) == set(MODS), BUILD_TIMEOUT, "1.0 loaded by the label")
+    assert module_version("kvcd_user") == "1.0"
+    wait_for(lambda: ann("ready") == "1.0", 60, "ready annotation 1.0")
+    assert ann("version") == "1.0" and ann("kernel") == os.uname().release
+    assert ann("boot-id") == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+    # Config first (KMM step 2): 1.0 stays loaded while the label still says 1.0.
+    write_instance("2.0")
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    st = settle("Done")
+    assert st["reason"].startswith("UpgradePending"), st
+    assert module_version("kvcd_user") == "1.0"
+
+    # The label moves: 1.0 out, 2.0 in.
+    sh(["kvcd", "label", f"{LABEL}=2.0"])
+    wait_for(lambda: module_version("kvcd_user") == "2.0", BUILD_TIMEOUT, "2.0 loaded")
+    wait_for(lambda: ann("ready") == "2.0", 60, "ready annotation 2.0")
+    journal = sh(["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
+    assert re.search(r"ordered upgrade: LabelAbsent", journal), journal[-2000:]
+
+    sh(["kvcd", "label", f"{LABEL}-"])
+    wait_for(lambda: not loaded(), 120, "unloaded after the label was removed")
+    wait_for(lambda: ann("ready") is None, 60, "ready annotation removed")
+
+
+def test_n2_held_module_refused_with_holder_named() -> None:
+    # The instance owns only kvcd_base; kvcd_user, loaded by hand from kvcd's module root,
+    # holds it (a holder kvcd does not own).
+    write_instance("2.0", modules=("kvcd_base",))
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    sh(["kvcd", "label", f"{LABEL}=2.0"])
+    wait_for(lambda: "kvcd_base" in loaded(), BUILD_TIMEOUT, "kvcd_base loaded")
+    sh(["modprobe", "-d", "/var/lib/kvcd/modules", "kvcd_user"])
+    assert "kvcd_user" in loaded()["kvcd_base"]
+
+    sh(["kvcd", "label", f"{LABEL}-"])
+    st = settle("Degraded")
+    assert st["reason"].startswith("ModuleInUse: kvcd_base is held by kvcd_user"), st
+    assert "holders: kvcd_base: refcnt 1; used by modules kvcd_user" in st["reason"], st
+    assert "kvcd_base" in loaded()  # never forced out
+    text = sh(["kvcd", "status", NAME]).stdout
+    assert "held by kvcd_user" in text, text
+    assert ann("state") == "Degraded" and "kvcd_user" in (ann("reason") or "")
+    j = sh(["journalctl", "-u", UNIT, "-o", "json", "--no-pager"]).stdout
+    assert any("kvcd_user" in json.loads(line).get("KVCD_HOLDERS", "") for line in j.splitlines())
+
+
+def test_n3_cluster_drain_handshake() -> None:
+    write_instance("2.0", modules=("kvcd_base",), drain="cluster")
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    st = settle("Working")
+    assert st["reason"].startswith("DrainRequired: Drain_Required requested"), st
+    assert annotations()["kvcd.io/drain"] == "Drain_Required"
+    # The drain controller: the workload (here: the hand-loaded kvcd_user) goes, then it answers.
+    sh(["rmmod", "kvcd_user"])
+    sh(["kvcd", "annotate", "kvcd.io/drain-current=DrainComplete"])
+    wait_for(lambda: "kvcd_base" not in loaded(), 120, "kvcd_base unloaded after the drain")
+    wait_for(lambda: annotations().get("kvcd.io/drain") == "Idle", 60, "drain back to Idle")
+    assert f"kvcd.io/{NAME}.drain" not in annotations()
+    st = settle("Done")
+    assert st["goal"] == "unloaded", st
+    sh(["kvcd", "annotate", "kvcd.io/drain-current-"])

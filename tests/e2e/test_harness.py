@@ -1,0 +1,212 @@
+"""The VM harness's own logic, on the host, without a VM (runs in a plain `pytest tests/e2e`).
+
+- entry.sh's e2e mode with a fake payload: steps each in their own pytest session, a failing
+  scenarios file not hiding the next, a reboot requested in the middle and the run continued in
+  the next "boot" (entry.sh run again on the same state, as after run-guest.sh's reboot);
+- the guest conftest's @pytest.mark.boot(N) selection;
+- the host side: junit files parsed into one result per guest test, and guest test names read
+  from the guest files with ast.
+Real bash, python and pytest; systemctl, journalctl & co. are small fakes on PATH that answer
+what entry.sh asks of them (this host has no systemd).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import GuestRun, parse_results
+from tests.e2e.test_vm import guest_tests
+
+GUEST = Path(__file__).resolve().parent / "guest"
+
+FAKES = {
+    # entry.sh reads multi-user.target's timestamp and lists the blame; artifacts call the rest.
+    "systemctl": 'case "$*" in show*) echo 12345678 ;; esac\n',
+    "systemd-analyze": "exit 0\n",
+    "journalctl": 'echo "fake journal $*"\n',
+    "podman": "exit 0\n",
+    "dmesg": "exit 0\n",
+}
+
+GUEST_FILES = {
+    "guest_smoke.py": "def test_smoke_ok():\n    pass\n",
+    "guest_scenarios.py": "def test_core_ok():\n    pass\n",
+    "guest_kvc_shim.py": "def test_shim_ok():\n    pass\n",
+    "scenarios_a.py": "def test_a_fails():\n    assert False, 'scenario a is broken'\n",
+    "scenarios_b.py": "import no_such_module_in_the_guest\n",
+    "scenarios_c.py": "def test_c_ok():\n    pass\n",
+    "reboot_x.py": textwrap.dedent(
+        """
+        import os
+        from pathlib import Path
+
+        import pytest
+        from kvcdguest import boot_number, request_reboot
+
+        @pytest.mark.boot(1)
+        def test_before():
+            assert boot_number() == 1
+            Path(os.environ["KVCD_E2E_STATE_DIR"], "was-here").write_text("1")
+            request_reboot("9.9.9-e2e")
+
+        @pytest.mark.boot(2)
+        def test_after():
+            assert boot_number() == 2
+            assert Path(os.environ["KVCD_E2E_STATE_DIR"], "was-here").read_text() == "1"
+        """
+    ),
+}
+
+
+@pytest.fixture
+def fake_guest(tmp_path: Path) -> dict[str, Path]:
+    payload, state, boot, fakebin = (tmp_path / d for d in ("mnt", "state", "boot", "bin"))
+    guest = payload / "guest"
+    for d in (guest, state, boot, fakebin):
+        d.mkdir(parents=True)
+    shutil.copy(GUEST / "entry.sh", guest)
+    shutil.copy(GUEST / "kvcdguest.py", guest)
+    shutil.copy(GUEST / "conftest.py", guest)
+    for name, text in GUEST_FILES.items():
+        (guest / name).write_text(text)
+    (payload / "mode").write_text("e2e\n")
+    (payload / "kver").write_text("1.0.0-e2e\n")
+    (boot / "vmlinuz-9.9.9-e2e").write_text("kernel")
+    (boot / "initrd.img-9.9.9-e2e").write_text("initrd")
+    for name, body in FAKES.items():
+        p = fakebin / name
+        p.write_text("#!/bin/bash\n" + body)
+        p.chmod(0o755)
+    # python3 -m pytest in entry.sh: this interpreter, which has pytest.
+    (fakebin / "python3").symlink_to(sys.executable)
+    return {"payload": payload, "state": state, "boot": boot, "bin": fakebin}
+
+
+def run_entry(g: dict[str, Path]) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PATH": f"{g['bin']}{os.pathsep}{os.environ['PATH']}",
+        "KVCD_E2E_PAYLOAD_DIR": str(g["payload"]),
+        "KVCD_E2E_STATE_DIR": str(g["state"]),
+        "KVCD_E2E_BOOT_DIR": str(g["boot"]),
+    }
+    env.pop("KVCD_E2E_BOOT", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    return subprocess.run(
+        ["bash", str(g["payload"] / "guest" / "entry.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def junit_cases(path: Path) -> dict[str, str]:
+    out = {}
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if tc.find(tag) is not None:
+                outcome = tag
+        out[tc.get("name", "")] = outcome
+    return out
+
+
+def test_entry_steps_and_reboot(fake_guest: dict[str, Path]) -> None:
+    res = fake_guest["payload"] / "results"
+    first = run_entry(fake_guest)
+    assert first.returncode == 0, first.stdout + first.stderr
+    # Boot 1 ran every step up to the reboot request, then stopped without results/done.
+    assert (res / "reboot").read_text().strip() == "9.9.9-e2e", first.stdout
+    assert not (res / "done").exists()
+    assert (res / "boot" / "vmlinuz-9.9.9-e2e").read_text() == "kernel"
+    assert (res / "boot" / "initrd.img-9.9.9-e2e").read_text() == "initrd"
+    assert (res / "journal-boot1.txt").exists()
+    assert junit_cases(res / "junit-guest.xml") == {
+        "test_smoke_ok": "passed",
+        "test_core_ok": "passed",
+        "test_shim_ok": "passed",
+    }
+    assert junit_cases(res / "junit-scenarios_a.xml") == {"test_a_fails": "failure"}
+    assert "error" in junit_cases(res / "junit-scenarios_b.xml").values()
+    assert junit_cases(res / "junit-scenarios_c.xml") == {"test_c_ok": "passed"}
+    assert junit_cases(res / "junit-reboot_x-boot1.xml") == {"test_before": "passed"}
+
+    second = run_entry(fake_guest)  # the next boot of the same run
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (res / "done").exists(), second.stdout
+    assert not (res / "reboot").exists() and not (res / "boot").exists()
+    assert junit_cases(res / "junit-reboot_x-boot2.xml") == {"test_after": "passed"}
+    # Steps done in boot 1 did not run again; the failures of boot 1 are in the final rc.
+    assert "step scenarios_c" not in second.stdout and "step reboot_x (boot 2)" in second.stdout
+    assert (res / "rc").read_text().strip() != "0"
+    assert (fake_guest["state"] / "boot").read_text().strip() == "2"
+
+    # The host side reads every junit file: one result per guest test.
+    run = GuestRun(out=fake_guest["payload"], mode="e2e", cases=parse_results(res))
+    assert [c.name for c in run.check("test_after", "reboot_x")] == ["test_after"]
+    assert run.check("test_c_ok", "scenarios_c")[0].outcome == "passed"
+    assert run.file_errors("scenarios_b"), "the import error of scenarios_b.py was not reported"
+    with pytest.raises(pytest.fail.Exception, match="scenario a is broken"):
+        run.check("test_a_fails", "scenarios_a")
+    with pytest.raises(pytest.fail.Exception, match="did not report"):
+        run.check("test_core_ok", "scenarios_a")
+
+
+@pytest.mark.parametrize(
+    ("boot", "ran"),
+    [
+        ("1", {"test_any", "test_one"}),
+        ("2", {"test_any", "test_two"}),
+        ("3", {"test_any"}),
+    ],
+)
+def test_guest_conftest_boot_marker(tmp_path: Path, boot: str, ran: set[str]) -> None:
+    shutil.copy(GUEST / "conftest.py", tmp_path)
+    (tmp_path / "t_boot.py").write_text(
+        "import pytest\n"
+        "def test_any(): pass\n"
+        "@pytest.mark.boot(1)\ndef test_one(): pass\n"
+        "@pytest.mark.boot(2)\ndef test_two(): pass\n"
+    )
+    junit = tmp_path / "j.xml"
+    env = {**os.environ, "KVCD_E2E_BOOT": boot}
+    env.pop("PYTEST_ADDOPTS", None)
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--rootdir={tmp_path}",
+         "-c", os.devnull, f"--junitxml={junit}", "t_boot.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert set(junit_cases(junit)) == ran
+
+
+@pytest.mark.parametrize(
+    ("source", "names"),
+    [
+        ("def test_a(): pass\ndef helper(): pass\n", ["test_a"]),
+        ("class TestX:\n    def test_m(self): pass\n    def f(self): pass\n", ["TestX::test_m"]),
+        ("class Helper:\n    def test_m(self): pass\n", []),
+        ("async def test_b(): pass\n", ["test_b"]),
+    ],
+)
+def test_guest_tests_names(tmp_path: Path, source: str, names: list[str]) -> None:
+    f = tmp_path / "scenarios_t.py"
+    f.write_text(source)
+    assert guest_tests(f) == names
+
+
+def test_guest_files_have_tests() -> None:
+    """Every guest file the host reports on parses and names tests."""
+    for f in [GUEST / "guest_smoke.py", GUEST / "guest_scenarios.py", GUEST / "guest_kvc_shim.py",
+              *GUEST.glob("scenarios_*.py"), *GUEST.glob("reboot_*.py")]:  # fmt: skip
+        assert guest_tests(f), f
