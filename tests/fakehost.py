@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
+from typing import Any
 
 from kvcd.host.paths import HostRoot
+from kvcd.host.systemd import Notifier
 
 # Loads <name>: a directory in the fake /sys/module. Names listed in $FAKE_ROOT/fail-load fail
 # the way modprobe does when the kernel refuses a module.
@@ -44,6 +46,28 @@ def write_command(bindir: Path, name: str, body: str, log: Path | None = None) -
     path.write_text("#!/bin/bash\n" + record + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return path
+
+
+def fake_host(root: HostRoot, kernel: str, fake_commands: Any, monkeypatch: Any) -> HostRoot:
+    """make_host, plus the fake modprobe/rmmod/depmod (tests/conftest.py's fake_commands) acting
+    on its /sys/module: what a unit test of the instance flow or the run loop starts from."""
+    make_host(root, kernel)
+    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    for name, script in SCRIPTS.items():
+        fake_commands.add(name, script)
+    return root
+
+
+class RecordingNotifier(Notifier):
+    """A Notifier without a socket that keeps what it would send (watchdog pings left out)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.sent: list[str] = []
+
+    def notify(self, *assignments: str) -> bool:
+        self.sent.extend(a for a in assignments if not a.startswith("WATCHDOG"))
+        return True
 
 
 def make_host(root: HostRoot, kernel: str) -> None:

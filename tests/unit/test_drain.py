@@ -21,7 +21,6 @@ from kvcd.daemon.service import Service
 from kvcd.host.paths import HostRoot
 from kvcd.node.filebackend import FileBackend
 from tests import fakehost
-from tests.unit.test_service_events import RecordingNotifier
 
 K = "6.1.0-56-amd64"
 MODS = ["kvcd_base", "kvcd_user"]
@@ -159,12 +158,8 @@ class Clock:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     monkeypatch.setenv("NODE_NAME", "n1")
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
     for v in ("1.0", "2.0"):
         fakehost.store_version(root, "e2e", v, K, MODS)
     fakehost.write_config(root, "e2e", CONFIG.format(v="1.0", mode="cluster"))
@@ -203,7 +198,7 @@ def service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> Any:
     made: list[Service] = []
 
     def make() -> Service:
-        svc = Service(host, "e2e", K, RecordingNotifier())
+        svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
         made.append(svc)
         return svc
 

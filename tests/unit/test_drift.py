@@ -37,7 +37,6 @@ from kvcd.daemon.service import Service
 from kvcd.host import journal
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.paths import HostRoot
-from kvcd.host.systemd import Notifier
 from kvcd.host.udev import ModuleEvent, module_event
 from tests import fakehost
 
@@ -256,11 +255,7 @@ def store(
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[HostRoot]:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     store(root, "1.0", MODS)
     fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
     fakehost.write(root("/usr/lib/systemd/system/kvcd@.service"), "[Service]\nType=notify\n")
@@ -495,14 +490,6 @@ def test_restart_remembers_the_depmod_expectation(host: HostRoot) -> None:
 # --- through the service loop: hold, no changes, recovery by itself, force file -------------
 
 
-class Quiet(Notifier):
-    def __init__(self) -> None:
-        super().__init__(None)
-
-    def notify(self, *assignments: str) -> bool:
-        return True
-
-
 def _service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> tuple[Service, list[Any]]:
     made: list[Any] = []
 
@@ -511,7 +498,7 @@ def _service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> tuple[Service, 
         return made[-1:]
 
     monkeypatch.setattr(extensions, "build", build)
-    return Service(host, NAME, K, Quiet()), made
+    return Service(host, NAME, K, fakehost.RecordingNotifier()), made
 
 
 def test_drift_holds_then_recovers_to_done_without_a_command(

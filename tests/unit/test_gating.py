@@ -30,7 +30,6 @@ from kvcd.daemon.status import collect, render
 from kvcd.daemon.variants import VariantGate, resolve_variant
 from kvcd.host.devices import Device, OnDevice, ids_from_modalias
 from kvcd.host.paths import HostRoot
-from kvcd.host.systemd import Notifier
 from tests import fakehost
 
 K = "6.1.0-18-rt-amd64"
@@ -41,23 +40,9 @@ NIC = "pci:v00001AF4d00001000sv00001AF4sd00000001bc02sc00i00"
 OTHER = "pci:v00008086d00001521sv00000000sd00000000bc02sc00i00"
 
 
-class QuietNotifier(Notifier):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.sent: list[str] = []
-
-    def notify(self, *assignments: str) -> bool:
-        self.sent.extend(a for a in assignments if not a.startswith("WATCHDOG"))
-        return True
-
-
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     fakehost.store_version(root, "e2e", "1.0", K, MODS)
     return root
 
@@ -188,7 +173,7 @@ def test_hotplug_sequence_in_the_run_loop(host: HostRoot, monkeypatch: pytest.Mo
     )
     watch = FakeDeviceWatch()
     use(monkeypatch, DeviceGate(watch=watch))
-    svc = Service(host, "e2e", K, QuietNotifier())
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
     rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None and (rec.state, rec.reason) == (state.DONE, NO_DEVICE)
     assert loaded(host) == []
@@ -354,7 +339,7 @@ def test_links_sequence_in_the_run_loop(host: HostRoot, monkeypatch: pytest.Monk
     FakeTimer.made = []
     ext = links.LinkReadiness(lambda _r: list(seen), watch_factory, Clock(), FakeTimer)
     use(monkeypatch, ext)
-    n = QuietNotifier()
+    n = fakehost.RecordingNotifier()
     svc = Service(host, "e2e", K, n)
     rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None and (rec.state, rec.reason) == (state.WORKING, WAITING.reason)
@@ -438,7 +423,7 @@ def test_no_fitting_variant_degrades_with_the_reasons(
     inst.plan("unload")  # unloading needs no image
     # In the daemon the gate holds the reconcile as Degraded, nothing loaded.
     use(monkeypatch, VariantGate())
-    svc = Service(host, "e2e", k64, QuietNotifier())
+    svc = Service(host, "e2e", k64, fakehost.RecordingNotifier())
     rec = svc.reconcile([Event("start", retry=True)])
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason.startswith("NoVariant: no image variant fits this node: generic (")

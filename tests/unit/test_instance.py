@@ -75,11 +75,7 @@ class FakePodman:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
 
     def fake_modinfo(path: Path) -> dict[str, list[str]]:
         data = path.read_bytes().decode()

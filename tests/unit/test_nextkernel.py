@@ -35,13 +35,9 @@ DEPMOD = fakehost.DEPMOD.replace("find -L extra", "find -L extra weak-updates")
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, A)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), A, fake_commands, monkeypatch)
     (root.system_modules(B) / "kernel").mkdir(parents=True)
     (root.system_modules(B) / "modules.builtin").write_text("")
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
     fake_commands.add("depmod", DEPMOD)
 
     def fake_modinfo(path: Path) -> dict[str, list[str]]:

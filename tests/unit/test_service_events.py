@@ -24,7 +24,6 @@ from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Ve
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
 from kvcd.host.paths import HostRoot
-from kvcd.host.systemd import Notifier
 from tests import fakehost
 
 K = "6.1.0-56-amd64"
@@ -32,23 +31,9 @@ MODS = ["kvcd_base", "kvcd_user"]
 CONFIG = 'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
 
 
-class RecordingNotifier(Notifier):
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.sent: list[str] = []
-
-    def notify(self, *assignments: str) -> bool:
-        self.sent.extend(a for a in assignments if not a.startswith("WATCHDOG"))
-        return True
-
-
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     for v in ("1.0", "2.0"):
         fakehost.store_version(root, "e2e", v, K, MODS)
     fakehost.write_config(root, "e2e", CONFIG.format(v="1.0"))
@@ -106,8 +91,8 @@ def use(monkeypatch: pytest.MonkeyPatch, *exts: Extension) -> None:
     monkeypatch.setattr(extensions, "build", lambda cfg, settings: next(sets, []))
 
 
-def service(root: HostRoot) -> tuple[Service, RecordingNotifier]:
-    n = RecordingNotifier()
+def service(root: HostRoot) -> tuple[Service, fakehost.RecordingNotifier]:
+    n = fakehost.RecordingNotifier()
     return Service(root, "e2e", K, n), n
 
 

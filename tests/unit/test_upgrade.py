@@ -21,7 +21,6 @@ from kvcd.daemon.upgrade import OrderedUpgrade
 from kvcd.host.paths import HostRoot
 from kvcd.node.filebackend import FileBackend
 from tests import fakehost
-from tests.unit.test_service_events import RecordingNotifier
 
 K = "6.1.0-56-amd64"
 MODS = ["kvcd_base", "kvcd_user"]
@@ -94,11 +93,7 @@ def test_unreachable_holds_and_keeps_modules() -> None:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     for v in ("1.0", "2.0"):
         fakehost.store_version(root, "e2e", v, K, MODS)
     fakehost.write_config(root, "e2e", CONFIG.format(v="1.0"))
@@ -172,7 +167,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
     """The whole path: labels in node.json -> verdict -> reconcile -> annotations written back."""
     monkeypatch.setenv("NODE_NAME", "n1")
     monkeypatch.setattr(extensions, "build", node_extensions)
-    svc = Service(host, "e2e", K, RecordingNotifier())
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
     node = FileBackend(host, "n1")
     try:
         # No label: nothing loaded, Done (unloaded), reported.
@@ -209,7 +204,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         # A restart (a new Service) with the label removed meanwhile: re-derived, unloaded.
         svc.stop_extensions()
         label(host, None)
-        svc = Service(host, "e2e", K, RecordingNotifier())
+        svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
         rec = svc.reconcile([Event("start", retry=True)])
         assert rec is not None and rec.goal == "unloaded" and loaded(host) == []
         assert "kvcd.io/e2e.ready" not in node.read().annotations
