@@ -42,11 +42,12 @@ rpm: setup
 # CI's VM run (make check): one boot, the "core" step: smoke, the lifecycle scenarios, kvcd
 # installed from the RPM payload, the KVC shim (~25 min under TCG). The feature scenario files
 # and the reboot into a prepared kernel run in `make e2e-full` (over an hour under TCG).
+# faulthandler_timeout=0: the guest boot is one long fixture, bounded by qemu's own timeout.
 e2e: setup e2e-harness
-	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY=core $(PYTHON) -m pytest -m e2e tests/e2e
+	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY=core $(PYTHON) -m pytest -o faulthandler_timeout=0 -m e2e tests/e2e
 
 e2e-full: setup e2e-harness
-	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY= $(PYTHON) -m pytest -m e2e tests/e2e
+	KVCD_E2E_MODE=e2e KVCD_E2E_ONLY= $(PYTHON) -m pytest -o faulthandler_timeout=0 -m e2e tests/e2e
 
 e2e-harness: setup
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests/e2e/test_harness.py
