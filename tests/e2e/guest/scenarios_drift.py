@@ -112,7 +112,8 @@ def test_g2_rmmod_reloads_with_policy_reload() -> None:
 
 def test_g3_edit_owned_file_degrades_then_restore_recovers() -> None:
     since = time.strftime("%Y-%m-%d %H:%M:%S")
-    ko = store_tree() / "kvcd_user.ko"
+    # Where the image kept it (the prebuilt image has it under extra/, a build at the top).
+    ko = next(store_tree().rglob("kvcd_user.ko"))
     good = ko.read_bytes()
     t0 = time.monotonic()
     with ko.open("ab") as f:
