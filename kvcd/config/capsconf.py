@@ -23,15 +23,6 @@ from kvcd.core.depends import DependencyError, load_order
 if TYPE_CHECKING:
     from kvcd.config.loader import ConfigLocations
 
-KEYS = (
-    "capabilities",
-    "variants",
-    "requires_device",
-    "unload_on_device_removal",
-    "expect_links",
-    "expect_links_timeout",
-    "depends_on",
-)
 _VARIANT_KEYS = ("capabilities", "image", "build")
 _LINK_KEYS = ("driver", "name", "up")
 CAPABILITY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
