@@ -7,6 +7,7 @@ own bin directory by the `fake_commands` fixture, and refuses raw subprocess use
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcd.host import journal
 from kvcd.host import run as runmod
 
 
@@ -90,3 +92,14 @@ def _no_real_commands(
 
     monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _drop_kvcd_log_handler() -> Iterator[None]:
+    """A test that runs the CLI configures logging onto pytest's captured stderr; remove that
+    handler afterwards so later tests do not log into a closed stream ("--- Logging error")."""
+    yield
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if h.get_name() == journal.HANDLER_NAME]:
+        root.removeHandler(h)
+        h.close()

@@ -81,7 +81,7 @@ MESSAGE_IDS: Mapping[str, str] = {
 INSTANCE_FIELD = "KVCD_INSTANCE"
 
 # The name setup_logging gives its handler, to replace it on a second call.
-_HANDLER_NAME = "kvcd"
+HANDLER_NAME = "kvcd"
 
 # Fields the handler sets itself; an `extra` key of the same name does not replace them.
 RESERVED_FIELDS = frozenset(
@@ -349,7 +349,7 @@ def setup_logging(
     env = os.environ if env is None else env
     stream = sys.stderr if stream is None else stream
     root = logging.getLogger()
-    for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+    for old in [h for h in root.handlers if h.get_name() == HANDLER_NAME]:
         root.removeHandler(old)
         old.close()
 
@@ -367,7 +367,7 @@ def setup_logging(
         )
     if instance is not None:
         handler.addFilter(InstanceFilter(instance))
-    handler.set_name(_HANDLER_NAME)
+    handler.set_name(HANDLER_NAME)
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     logging.getLogger("kvcd").setLevel(logging.DEBUG if verbose else logging.INFO)
