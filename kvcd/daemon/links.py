@@ -105,10 +105,18 @@ class LinkReadiness(Extension):
             self.timer.cancel()
             self.timer = None
 
+    @staticmethod
+    def _ours(record: Record) -> bool:
+        """The record carries this hook's own amendment: a reconcile that held the record (and
+        changed nothing) hands it back, and the modules are as loaded as they were."""
+        return (record.state == state.WORKING and record.reason.startswith(WAITING)) or (
+            record.state == state.DEGRADED and record.reason.startswith(state.LINKS_MISSING)
+        )
+
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         specs = ctx.cfg.expect_links
         loaded = (
-            record.state == state.DONE
+            (record.state == state.DONE or self._ours(record))
             and record.goal == "loaded"
             and all(kmod.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
         )

@@ -255,6 +255,16 @@ WAITING = Verdict(HOLD, state.WORKING, "waiting for links: driver=dummy up")
 TIMED_OUT = Verdict(HOLD, state.DEGRADED, "LinksMissing: after 60s: driver=dummy up")
 
 
+def held(v: Verdict) -> Record:
+    r = record(v.state)
+    r.reason = v.reason
+    return r
+
+
+HELD_WAITING = held(WAITING)
+HELD_TIMED_OUT = held(TIMED_OUT)
+
+
 @pytest.mark.parametrize(
     ("rec", "mods_loaded", "seen", "elapsed", "expected", "provided"),
     [
@@ -263,6 +273,11 @@ TIMED_OUT = Verdict(HOLD, state.DEGRADED, "LinksMissing: after 60s: driver=dummy
         (record(), True, [DUMMY_DOWN], [0], [WAITING], []),
         (record(), True, [], [0, 59.9], [WAITING, WAITING], []),
         (record(), True, [], [0, 60], [WAITING, TIMED_OUT], []),
+        # A reconcile that held the record (drift's quiet hold, a next-kernel event) hands the
+        # hook its own amendment back: still loaded, the wait and its deadline go on.
+        ([record(), HELD_WAITING], True, [], [0, 59.9], [WAITING, WAITING], []),
+        ([record(), HELD_WAITING], True, [], [0, 60], [WAITING, TIMED_OUT], []),
+        ([record(), HELD_TIMED_OUT], True, [], [0, 61], [WAITING, TIMED_OUT], []),
         (record(state.DEGRADED), True, [], [0], [None], []),
         (record(goal="unloaded"), False, [], [0], [None], []),
         (record(), False, [], [0], [None], []),  # Done "no device": nothing loaded, no links
@@ -273,6 +288,9 @@ TIMED_OUT = Verdict(HOLD, state.DEGRADED, "LinksMissing: after 60s: driver=dummy
         "link-down-waits",
         "still-waiting",
         "deadline-degraded",
+        "held-still-waiting",
+        "held-deadline-degraded",
+        "held-degraded-stays",
         "not-done-skipped",
         "unloaded-skipped",
         "idle-skipped",
@@ -280,7 +298,7 @@ TIMED_OUT = Verdict(HOLD, state.DEGRADED, "LinksMissing: after 60s: driver=dummy
 )
 def test_link_after_hook(
     host: HostRoot,
-    rec: Record,
+    rec: Record | list[Record],
     mods_loaded: bool,
     seen: list[LinkView],
     elapsed: list[float],
@@ -296,9 +314,10 @@ def test_link_after_hook(
     ext = links.LinkReadiness(lambda _r: seen, FakeLinkWatch, clock, FakeTimer)
     ext.start(context(host, cfg))
     start = clock.now
-    for at, want in zip(elapsed, expected):
+    recs = rec if isinstance(rec, list) else [rec] * len(elapsed)
+    for at, want, r in zip(elapsed, expected, recs, strict=True):
         clock.now = start + at
-        assert ext.after(context(host, cfg), rec) == want
+        assert ext.after(context(host, cfg), r) == want
     data = links.read_links(host, "e2e")
     assert data is not None
     assert [p["name"] for p in data["provided"]] == provided
