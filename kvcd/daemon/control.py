@@ -27,7 +27,8 @@ def daemon_pid(root: HostRoot, name: str) -> int | None:
 
 
 def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2) -> int:
-    """Ask the daemon to reload and wait for the outcome of *that* reload; 0 when it ends Done.
+    """Ask the daemon to reload and wait for the outcome of *that* reload: 0 when it ends Done,
+    or Working on a wait for something outside kvcd (a drain answer, links); 1 when Degraded.
 
     The request is a sequence number in /run/kvcd/<name>.reload, then SIGHUP; the daemon answers
     in <name>.reloaded with the newest number it read before reconciling. So a reconcile that
@@ -50,10 +51,16 @@ def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2)
     while time.monotonic() < deadline:
         answer = files.read_json(root.reload_answer(name))
         if _seq(answer) >= seq and isinstance(answer, dict):
-            if answer.get("state") == state.DONE:
+            st, reason = answer.get("state"), answer.get("reason", "")
+            if st == state.DONE:
                 print(f"{name}: Done (version {answer.get('version', '')})")
                 return 0
-            print(f"{name}: {answer.get('state')}: {answer.get('reason', '')}", file=sys.stderr)
+            if st == state.WORKING:
+                # Taken, and now waiting on something outside kvcd (the cluster's drain answer,
+                # the driver's links): the reload itself did not fail; the wait is reported.
+                print(f"{name}: Working: {reason}")
+                return 0
+            print(f"{name}: {st}: {reason}", file=sys.stderr)
             return 1
         if daemon_pid(root, name) is None:
             print(f"kvcd: kvcd@{name} exited during the reload", file=sys.stderr)

@@ -351,3 +351,50 @@ def test_reload_waits_for_the_answer_to_its_own_request(
         assert control.reload_requested(host, "e2e") == 2
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "out", "err"),
+    [
+        (Record("e2e", state.DONE, version="2.0"), 0, "e2e: Done (version 2.0)", ""),
+        (
+            Record("e2e", state.WORKING, "DrainRequired: Drain_Required requested", version="2.0"),
+            0,
+            "e2e: Working: DrainRequired: Drain_Required requested",
+            "",
+        ),
+        (
+            Record("e2e", state.DEGRADED, "ModuleInUse: kvcd_base is held", version="2.0"),
+            1,
+            "",
+            "e2e: Degraded: ModuleInUse: kvcd_base is held",
+        ),
+    ],
+    ids=["done", "working-waits-outside", "degraded"],
+)
+def test_reload_exit_code_by_answer(
+    host: HostRoot,
+    capsys: pytest.CaptureFixture[str],
+    answer: Record,
+    code: int,
+    out: str,
+    err: str,
+) -> None:
+    """`systemctl reload` fails only when the change failed (Degraded): a reload that was taken
+    and now waits on the cluster or the links is not a failed reload."""
+    from kvcd.daemon import control
+
+    host.runtime.mkdir(parents=True, exist_ok=True)
+    host.pid_file("e2e").write_text(f"{os.getpid()}\n")
+
+    def on_hup(_sig: int, _frame: Any) -> None:
+        seq = control.reload_requested(host, "e2e")
+        threading.Timer(0.05, control.answer_reload, (host, "e2e", seq, answer)).start()
+
+    old = signal.signal(signal.SIGHUP, on_hup)
+    try:
+        assert control.request_reload(host, "e2e", timeout=30, poll=0.02) == code
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    got = capsys.readouterr()
+    assert got.out.strip() == out and got.err.strip() == err
