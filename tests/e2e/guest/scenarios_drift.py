@@ -14,6 +14,7 @@ Contracts used: `kvcd status --json` (state, reason, drift.line), journald MESSA
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -78,21 +79,55 @@ def _done_before_and_after() -> Iterator[None]:
         sh(["systemctl", "restart", UNIT], timeout=900)
     settle_done()
     yield
+    st = kvcd_status()
+    if st and st.get("state") == "Degraded" and st.get("reason", "").startswith("Drift:"):
+        # A failed test left its edit behind: put kvcd's files back for the files after this one.
+        FORCE.write_text("")
+        wait_for(lambda: not FORCE.exists(), 120, "the force file to be consumed", interval=0.5)
+        settle_done()
     if FORCE.exists():
         FORCE.unlink()
 
 
+def journal_times(message_id: str, since: str) -> list[float]:
+    """Wall-clock times (seconds) of this instance's journal entries with MESSAGE_ID."""
+    out = sh(
+        [
+            "journalctl",
+            "-o",
+            "json",
+            "--since",
+            since,
+            f"MESSAGE_ID={message_id}",
+            f"KVCD_INSTANCE={INSTANCE}",
+        ],
+        check=False,
+    )
+    return [
+        int(json.loads(line)["__REALTIME_TIMESTAMP"]) / 1e6
+        for line in out.stdout.splitlines()
+        if line.strip()
+    ]
+
+
 def test_g1_rmmod_degrades_within_a_second() -> None:
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    """Timed from just before rmmod runs to kvcd's journal entry (its own timestamp), so the
+    seconds `kvcd status` takes to start under TCG are not counted; the state is then read."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() - 1))
+    t0 = time.time()
     sh(["rmmod", "kvcd_user"])
-    t0 = time.monotonic()
-    st = wait_for(state_is("Degraded"), 10, "Degraded after rmmod", interval=0.05)
-    dt = time.monotonic() - t0
+    stamps = wait_for(
+        lambda: journal_times(MSG_MODULE_EXTERNAL, since),
+        10,
+        "kvcd to notice the rmmod",
+        interval=0.05,
+    )
+    dt = stamps[0] - t0
     record_timing("drift_rmmod_to_degraded", dt)
+    st = wait_for(state_is("Degraded"), 10, "Degraded after rmmod", interval=0.05)
     assert st["reason"].startswith("ModuleRemoved: kvcd_user"), st
-    assert dt < 1.0, f"Degraded after {dt:.2f}s"
+    assert dt < 1.0, f"kvcd noticed the rmmod after {dt:.2f}s"
     assert "kvcd_user" not in proc_modules()  # kvcd did not reload it
-    assert journal_has(MSG_MODULE_EXTERNAL, since)
     sh(["systemctl", "reload", UNIT], timeout=600)  # a reload is the way back
     settle_done()
     assert all(m in proc_modules() for m in MODS)
@@ -131,8 +166,12 @@ def test_g3_edit_owned_file_degrades_then_restore_recovers() -> None:
 def test_g4_force_file_reapplies_and_is_consumed() -> None:
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     dep = kdir() / "modules.dep"
+    t0 = time.monotonic()
     dep.write_text(dep.read_text() + "extra/evil.ko:\n")
-    st = wait_for(state_is("Degraded"), 10, "Degraded after editing modules.dep", interval=0.05)
+    # Telling another kvcd instance's depmod from an edit regenerates the indexes of the whole
+    # module tree (every in-tree module of the kernel): ~1 s on hardware, ~15 s under TCG.
+    st = wait_for(state_is("Degraded"), 120, "Degraded after editing modules.dep", interval=0.1)
+    record_timing("drift_modules_dep_to_degraded", time.monotonic() - t0)
     assert f"{dep}: content" in st["reason"], st
     FORCE.write_text("")
     wait_for(lambda: not FORCE.exists(), 30, "the force file to be consumed", interval=0.1)
