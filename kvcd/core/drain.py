@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvcd.core import state
+
 # Node-wide values (contract).
 IDLE = "Idle"
 DRAIN_REQUIRED = "Drain_Required"
@@ -26,11 +28,11 @@ REBOOT_REQUIRED = "Reboot_Required"
 DRAINING = "Draining"
 DRAIN_COMPLETE = "DrainComplete"
 
-# Reason codes.
-DRAIN_PENDING = "DrainRequired"
-DRAIN_TIMEOUT = "DrainTimeout"
-REBOOT_PENDING = "RebootRequired"
-STILL_IN_USE = "ModuleInUse"
+# Reason codes: kvcd.core.state's stable vocabulary.
+DRAIN_PENDING = state.DRAIN_PENDING
+DRAIN_TIMEOUT = state.DRAIN_TIMEOUT
+REBOOT_PENDING = state.REBOOT_PENDING
+STILL_IN_USE = state.MODULE_IN_USE
 
 # before(): what to do with the coming reconcile.
 PROCEED = "proceed"

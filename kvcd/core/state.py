@@ -31,6 +31,15 @@ MODULE_REPLACED = "ModuleReplaced"
 # network links did not appear in time.
 NO_VARIANT = "NoVariant"
 LINKS_MISSING = "LinksMissing"
+# Node state machines (kvcd/core/upgrade.py, drain.py): the ordered-upgrade label holds the
+# instance back or is absent, the node object cannot be read; a drain or reboot was asked of the
+# cluster and is pending, or its answer did not come in time.
+UPGRADE_PENDING = "UpgradePending"
+LABEL_ABSENT = "LabelAbsent"
+NODE_UNAVAILABLE = "NodeUnavailable"
+DRAIN_PENDING = "DrainRequired"
+DRAIN_TIMEOUT = "DrainTimeout"
+REBOOT_PENDING = "RebootRequired"
 REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
@@ -50,6 +59,12 @@ REASONS = (
     MODULE_REPLACED,
     NO_VARIANT,
     LINKS_MISSING,
+    UPGRADE_PENDING,
+    LABEL_ABSENT,
+    NODE_UNAVAILABLE,
+    DRAIN_PENDING,
+    DRAIN_TIMEOUT,
+    REBOOT_PENDING,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

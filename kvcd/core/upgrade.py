@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcd.core import state
+
 # Verbs (the daemon maps them onto its LOAD / UNLOAD / HOLD verdicts).
 LOAD = "load"
 UNLOAD = "unload"
 HOLD = "hold"
 
-# Reason codes (stable vocabulary, first word of the reason).
-UPGRADE_PENDING = "UpgradePending"
-LABEL_ABSENT = "LabelAbsent"
-NODE_UNAVAILABLE = "NodeUnavailable"
+# Reason codes: kvcd.core.state's stable vocabulary.
+UPGRADE_PENDING = state.UPGRADE_PENDING
+LABEL_ABSENT = state.LABEL_ABSENT
+NODE_UNAVAILABLE = state.NODE_UNAVAILABLE
 
 # What the label says, relative to the configured version.
 ABSENT = "absent"
