@@ -67,6 +67,7 @@ class Drain(Extension):
         self._seen: str | None = None
         self._lock = threading.Lock()
         self._started = False
+        self._checked = False  # a left-over claim looked for (drain = none)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -138,8 +139,22 @@ class Drain(Extension):
 
         return writer.update(change)
 
+    def _withdraw_left_over(self, ctx: Context) -> None:
+        """drain = none now, but a claim of ours is on the node (the instance was switched from
+        "cluster" mid-handshake): nothing will ever answer it for us, so it goes, and the
+        node-wide request with it when it was the last. Looked at once per configuration."""
+        self._checked = True
+        seen = self._read(ctx)
+        if seen is not None and seen[0] is not None and self._set_claim(ctx, None):
+            log.info(
+                "drain claim withdrawn: this instance no longer uses drain = cluster",
+                extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},
+            )
+
     def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
         if mode(ctx) != "cluster":
+            if not self._checked:
+                self._withdraw_left_over(ctx)
             return None
         seen = self._read(ctx)
         if seen is None:

@@ -341,3 +341,20 @@ def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
         rec.reason
     )
     assert "kvcd.io/drain" not in ann(host)  # no handshake without a cluster
+
+
+def test_switching_to_drain_none_withdraws_the_claim(host: HostRoot, service: Any) -> None:
+    """Mid-handshake, the admin sets drain = "none" and reloads: no controller answer will be
+    acted on for this instance any more, so its claim goes and the node goes back to Idle."""
+    svc = service()
+    svc.reconcile([Event("start", retry=True)])
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", retry=True)])
+    assert ann(host)["kvcd.io/drain"] == "Drain_Required"
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="none"))
+    svc.reconcile([Event("signal", "reload", retry=True)])  # refused for good: None
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Degraded" and rec.reason.startswith("ModuleInUse")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
