@@ -175,6 +175,19 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.control import wrapper
 
         return wrapper(root, load_settings(root), cfg, _kernel(root, args), args.command)
+    if verb in ("load", "unload") and not args.dry_run:
+        from kvcd.daemon.control import daemon_pid
+
+        pid = daemon_pid(root, cfg.name)
+        if pid is not None:
+            # The daemon would read a change behind its back as drift (ModuleRemoved …).
+            how = "systemctl reload" if verb == "load" else "systemctl stop"
+            print(
+                f"kvcd: kvcd@{cfg.name} is running (pid {pid}, {root.pid_file(cfg.name)}) and "
+                f"owns {cfg.name}'s modules: use `{how} kvcd@{cfg.name}`",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
     progress = _Progress()
     inst = Instance(
         root,
