@@ -15,6 +15,7 @@ What is expected (all read fresh at each check, so kvcd's own changes are never 
   shares that tree, so when the indexes differ from the recorded hashes they are regenerated
   with depmod into a scratch tree (under the module root's lock): equal means another kvcd
   instance ran depmod (the record is updated, no drift); different is drift;
+- kvcd's depmod search order ``<module root>/depmod.d/00-kvcd.conf``: fixed text and mode;
 - the unit ``kvcd@.service`` (/etc or /usr/lib) and its drop-ins (``kvcd@.service.d``,
   ``kvcd@<instance>.service.d``): kvcd does not write them, so their first-seen state is the
   baseline (``/var/lib/kvcd/drift/<instance>.json``), renewed only by the force file.
@@ -409,9 +410,23 @@ class Check:
             if path not in units and f.kind != core.ABSENT:
                 self.observed[path] = f
 
+    # kvcd's depmod search order: fixed text and mode, there once kvcd has run depmod
+    def _depmod_conf(self) -> None:
+        if not self.root.kernel_dir(self.kernel).is_dir():
+            return
+        conf = kmod.depmod_conf(self.root)
+        self.watch_dirs.add(conf.parent)
+        self.expected[str(conf)] = core.Expect(
+            core.FILE,
+            sha256=hashlib.sha256(kmod.DEPMOD_CONF.encode()).hexdigest(),
+            mode=kmod.DEPMOD_CONF_MODE,
+        )
+        self.observed[str(conf)] = fact(conf)
+
     def run(self) -> list[core.Difference]:
         self._module_tree()
         self._units()
+        self._depmod_conf()
         diffs = core.compare(self.expected, self.observed)
         # After the comparison: the depmod indexes have their own (regenerating) verdict.
         depmod = self._depmod()
@@ -570,6 +585,9 @@ class DriftMonitor(Extension):
             return is_depmod_output(path.name)
         if path.parent == kdir / "extra":
             return path.name == ctx.name
+        conf = kmod.depmod_conf(ctx.root)
+        if path.parent == conf.parent:
+            return path.name == conf.name  # not kvcd's own scratch name for it
         units = {d.parent for d in dropin_dirs(ctx.root, ctx.name)}
         if path.parent in units:
             return path.name.startswith("kvcd@")

@@ -41,6 +41,7 @@ import io
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -497,6 +498,21 @@ def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[
     return problems
 
 
+DEPMOD_CONF = (
+    "# Written by kvcd: instance modules (extra/<instance>) win over the booted kernel's\n"
+    "# own modules of the same name; then the system's updates/, then the rest.\n"
+    "search extra updates built-in\n"
+    "# Modules of another kernel that are kABI-compatible with this one (RHEL's rank).\n"
+    "search weak-updates\n"
+)
+DEPMOD_CONF_MODE = 0o644
+
+
+def depmod_conf(root: HostRoot) -> Path:
+    """kvcd's depmod search order, beside its module tree (rewritten by every kvcd depmod)."""
+    return root.module_root / "depmod.d" / "00-kvcd.conf"
+
+
 def _depmod_config(root: HostRoot) -> list[Path]:
     """kvcd's search order first, then the system's depmod.d directories that exist.
 
@@ -507,22 +523,17 @@ def _depmod_config(root: HostRoot) -> list[Path]:
     wins, so 00-kvcd.conf puts extra/ (instance modules) before updates/ before the rest.
     Measured with kmod 30 (tests/integration/test_kmod.py pins it).
     """
-    conf = root.module_root / "depmod.d" / "00-kvcd.conf"
-    text = (
-        "# Written by kvcd: instance modules (extra/<instance>) win over the booted kernel's\n"
-        "# own modules of the same name; then the system's updates/, then the rest.\n"
-        "search extra updates built-in\n"
-        "# Modules of another kernel that are kABI-compatible with this one (RHEL's rank).\n"
-        "search weak-updates\n"
-    )
+    conf = depmod_conf(root)
     try:
-        current = conf.read_text()
+        current = conf.read_bytes()
+        mode = stat.S_IMODE(os.lstat(conf).st_mode)
     except FileNotFoundError:
-        current = None
-    if current != text:
+        current, mode = None, None
+    if (current, mode) != (DEPMOD_CONF.encode(), DEPMOD_CONF_MODE):
         conf.parent.mkdir(parents=True, exist_ok=True)
         tmp = conf.with_name(f".{conf.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
+        tmp.write_text(DEPMOD_CONF)
+        os.chmod(tmp, DEPMOD_CONF_MODE)
         os.replace(tmp, conf)
     system = [root(d) for d in SYSTEM_DEPMOD_DIRS]
     return [conf, *(d for d in system if d.is_dir())]

@@ -34,7 +34,7 @@ from kvcd.daemon.events import HOLD, Context, Event
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import journal
+from kvcd.host import journal, kmod
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.paths import HostRoot
 from kvcd.host.udev import ModuleEvent, module_event
@@ -413,6 +413,16 @@ MUTATIONS: list[Any] = [
         (core.UNEXPECTED, "modules.weakdep"),
         id="unexpected-index",
     ),
+    pytest.param(
+        lambda r: kmod.depmod_conf(r.root).write_text("search built-in extra\n"),
+        (core.CONTENT, "depmod.d/00-kvcd.conf"),
+        id="depmod-search-order-edited",
+    ),
+    pytest.param(
+        lambda r: kmod.depmod_conf(r.root).unlink(),
+        (core.MISSING, "depmod.d/00-kvcd.conf"),
+        id="depmod-search-order-deleted",
+    ),
     pytest.param(_other_instance_depmod, None, id="other-kvcd-instance-ran-depmod"),
     pytest.param(
         lambda r: (r.kdir / "modules.order").write_text("kernel/x.ko\n"),
@@ -740,8 +750,8 @@ def test_status_says_how_many_files_are_watched(host: HostRoot) -> None:
     r = Rig(host)
     out = status.render(status.collect(host, NAME))
     assert f"drift: watching {r.mon.files} files" in out
-    # 2 modules + link + modules.dep + 2 unit files + 1 drop-in
-    assert r.mon.files == 7
+    # 2 modules + link + modules.dep + 00-kvcd.conf + 2 unit files + 1 drop-in
+    assert r.mon.files == 8
 
 
 # --- what is watched, and which changes are triggers ----------------------------------------
@@ -755,6 +765,13 @@ INTERESTING = [
     pytest.param(True, lambda r: r.cfg.source.with_name("x.toml"), False, id="other-config"),
     pytest.param(False, lambda r: r.kdir / "modules.dep.bin", True, id="index"),
     pytest.param(False, lambda r: r.kdir / "modules.dep.tmp", False, id="depmod-scratch"),
+    pytest.param(False, lambda r: kmod.depmod_conf(r.root), True, id="depmod-search-order"),
+    pytest.param(
+        False,
+        lambda r: kmod.depmod_conf(r.root).with_name(".00-kvcd.conf.123.tmp"),
+        False,
+        id="depmod-search-order-scratch",
+    ),
     pytest.param(
         False,
         lambda r: r.kdir / "modules.dep.bin.32704.546824.1795332315",
