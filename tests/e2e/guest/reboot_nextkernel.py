@@ -1,8 +1,9 @@
 """Guest-side: a kernel update with a reboot (issue #4), run last by entry.sh, across two boots.
 
 Boot 1: kvcd@e2e-kmod is enabled and Done on the guest kernel; the second Debian 6.1 ABI
-(scripts/e2e/second-kernel.txt, its .deb cached in the guest image) is installed with dpkg, and
-made the default boot entry the way a RHEL-like host has it (a BLS entry per kernel in
+(scripts/e2e/second-kernel.txt) is installed in the guest image (build-guest.sh installs it at
+native speed: its dpkg -i under TCG took over 10 minutes, update-initramfs most of it) and is
+made the default boot entry here, the way a RHEL-like host has it (a BLS entry per kernel in
 /boot/loader/entries and grubenv's saved_entry); kvcd's next-kernel watcher sees it and prepares
 the instance for it (`kvcd status`: next_kernel = it, next_kernel_state = "ready") before the
 reboot. Then the guest reboots into it (entry.sh + run-guest.sh: the host boots the kernel the
@@ -116,16 +117,13 @@ def test_boot1_instance_enabled_and_done() -> None:
 
 
 @pytest.mark.boot(1)
-def test_boot1_install_second_kernel() -> None:
-    debs = sorted(Path("/var/cache/kvcd-e2e/kernels").glob(f"linux-image-{KVER2}_*.deb"))
-    assert debs, f"no cached linux-image-{KVER2} .deb in the guest image"
-    t0 = time.monotonic()
-    sh(["dpkg", "-i", str(debs[0])], timeout=1800)
-    record_timing("reboot_install_second_kernel", time.monotonic() - t0)
+def test_boot1_second_kernel_becomes_the_default() -> None:
+    installed = sh(["dpkg-query", "-W", "-f", "${Status}", f"linux-image-{KVER2}"], check=False)
+    assert installed.stdout.strip() == "install ok installed", installed
     assert Path(f"/boot/vmlinuz-{KVER2}").exists()
     assert Path(f"/boot/initrd.img-{KVER2}").exists()
     assert Path(f"/lib/modules/{KVER2}/modules.dep").exists()
-    # kernel-install's part on a BLS host, then grub2-set-default.
+    # kernel-install's part on a BLS host, then grub2-set-default: the update kvcd sees.
     set_grub_default(bls_entry(KVER2))
 
 
