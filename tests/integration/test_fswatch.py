@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pytest
 
@@ -25,62 +25,45 @@ from kvcd.host.fswatch import DirWatch
 pytestmark = pytest.mark.integration
 
 WAIT = 10.0
+T = TypeVar("T")
 
 
-class Seen:
-    """Paths reported by a DirWatch, and a way to wait for one."""
+class Arrivals(Generic[T]):
+    """What a watcher thread reported, in order, and a bounded wait for a report to arrive."""
 
-    def __init__(self) -> None:
-        self.paths: list[Path] = []
+    def __init__(self, key: Callable[[T], object] = lambda x: x) -> None:
+        self.items: list[T] = []
+        self._key = key
         self._cond = threading.Condition()
 
-    def __call__(self, path: Path) -> None:
+    def __call__(self, item: T) -> None:
         with self._cond:
-            self.paths.append(path)
+            self.items.append(item)
             self._cond.notify_all()
 
-    def wait_for(self, path: Path) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: path in self.paths, timeout=WAIT)
-
-    def clear(self) -> None:
-        with self._cond:
-            self.paths.clear()
-
-
-class Posted:
-    """Events a watcher posted, and a way to wait for one by what it names."""
-
-    def __init__(self) -> None:
-        self._events: list[Event] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, e: Event) -> None:
-        with self._cond:
-            self._events.append(e)
-            self._cond.notify_all()
-
-    def wait_for(self, what: str) -> bool:
+    def wait_for(self, key: object) -> bool:
+        """Whether a report with this key (a path; an event's `what`) arrived within WAIT."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: any(e.what == what for e in self._events), timeout=WAIT
+                lambda: any(self._key(x) == key for x in self.items), timeout=WAIT
             )
 
-    def events(self) -> list[Event]:
+    @property
+    def got(self) -> list[T]:
         with self._cond:
-            return list(self._events)
+            return list(self.items)
 
     def clear(self) -> None:
         with self._cond:
-            self._events.clear()
+            self.items.clear()
 
 
 @pytest.fixture
-def tree(tmp_path: Path) -> Iterator[tuple[Path, Seen, DirWatch]]:
+def tree(tmp_path: Path) -> Iterator[tuple[Path, Arrivals[Path], DirWatch]]:
     d = tmp_path / "store"
     d.mkdir()
     (d / "a.ko").write_bytes(b"module a")
-    seen = Seen()
+    seen = Arrivals[Path]()
     w = DirWatch([d], seen)
     w.start()
     yield d, seen, w
@@ -107,19 +90,19 @@ MUTATIONS = [
 
 @pytest.mark.parametrize(("mutate", "name"), MUTATIONS)
 def test_every_mutation_is_reported(
-    tree: tuple[Path, Seen, DirWatch], mutate: Callable[[Path], object], name: str
+    tree: tuple[Path, Arrivals[Path], DirWatch], mutate: Callable[[Path], object], name: str
 ) -> None:
     d, seen, _w = tree
     mutate(d)
-    assert seen.wait_for(d / name), seen.paths
+    assert seen.wait_for(d / name), seen.got
 
 
-def test_reads_are_not_changes(tree: tuple[Path, Seen, DirWatch]) -> None:
+def test_reads_are_not_changes(tree: tuple[Path, Arrivals[Path], DirWatch]) -> None:
     d, seen, _w = tree
     (d / "a.ko").read_bytes()
     (d / "marker").write_bytes(b"")  # a later change, to know the read's events were handled
     assert seen.wait_for(d / "marker")
-    assert d / "a.ko" not in seen.paths
+    assert d / "a.ko" not in seen.got
 
 
 def _until(predicate: Callable[[], bool]) -> bool:
@@ -133,7 +116,7 @@ def _until(predicate: Callable[[], bool]) -> bool:
 
 
 def test_deleted_and_recreated_directory_is_watched_again(
-    tree: tuple[Path, Seen, DirWatch],
+    tree: tuple[Path, Arrivals[Path], DirWatch],
 ) -> None:
     d, seen, w = tree
     shutil.rmtree(d)
@@ -144,15 +127,15 @@ def test_deleted_and_recreated_directory_is_watched_again(
     (d / "a.ko").write_bytes(b"written at once")
     # Written before the new watch took effect: reported as the file or as the directory
     # (re)watched after it, either way a trigger for a full re-check.
-    assert _until(lambda: d / "a.ko" in seen.paths or d in seen.paths), seen.paths
+    assert _until(lambda: d / "a.ko" in seen.got or d in seen.got), seen.got
     assert _until(lambda: d in w.watched()), w.watched()
     (d / "b.ko").write_bytes(b"later")
-    assert seen.wait_for(d / "b.ko"), (seen.paths, w.watched())
+    assert seen.wait_for(d / "b.ko"), (seen.got, w.watched())
 
 
 def test_directory_that_does_not_exist_yet(tmp_path: Path) -> None:
     target = tmp_path / "x" / "y"
-    seen = Seen()
+    seen = Arrivals[Path]()
     w = DirWatch([target], seen)
     w.start()
     try:
@@ -161,11 +144,11 @@ def test_directory_that_does_not_exist_yet(tmp_path: Path) -> None:
         with seen._cond:
             seen._cond.wait_for(lambda: target in w.watched(), timeout=WAIT)
         (target / "f").write_text("x")
-        assert seen.wait_for(target / "f"), (seen.paths, w.watched())
+        assert seen.wait_for(target / "f"), (seen.got, w.watched())
         (tmp_path / "unrelated").write_text("x")
         (target / "g").write_text("x")
         assert seen.wait_for(target / "g")
-        assert tmp_path / "unrelated" not in seen.paths
+        assert tmp_path / "unrelated" not in seen.got
     finally:
         w.stop()
 
@@ -189,7 +172,7 @@ def test_drift_monitor_on_real_inotify(
     fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
     root.runtime.mkdir(parents=True, exist_ok=True)
     cfg, settings = load_instance(root, NAME), load_settings(root)
-    posted = Posted()
+    posted = Arrivals[Event](lambda e: e.what)
     ctx = Context(root, NAME, K, settings, cfg, posted)
     rec = Instance(root, settings, cfg, K).apply("load")
     mon = drift.DriftMonitor(cfg, settings, udev=None)
@@ -201,7 +184,7 @@ def test_drift_monitor_on_real_inotify(
         posted.clear()
         ko.write_bytes(b"edited")
         assert posted.wait_for(str(ko))
-        v = mon.verdict(ctx, posted.events())
+        v = mon.verdict(ctx, posted.got)
         assert v is not None and v.verb == HOLD and v.state == state.DEGRADED
         assert f"{ko}: content" in v.reason
         # The force file is a trigger too (waited for by name: the .ko write may still be
@@ -308,7 +291,7 @@ def test_a_watched_directory_does_not_echo_its_entries(tmp_path: Path) -> None:
     version = store / "1.0"
     active = version / "A"
     active.mkdir(parents=True)
-    seen = Seen()
+    seen = Arrivals[Path]()
     w = DirWatch([store, active], seen)
     w.start()
     try:
@@ -317,7 +300,7 @@ def test_a_watched_directory_does_not_echo_its_entries(tmp_path: Path) -> None:
         (active / "x.ko").write_bytes(b"x")
         assert seen.wait_for(active / "x.ko")
         assert w.sync(WAIT)
-        assert active not in seen.paths and version not in seen.paths, seen.paths
-        assert version / "B" not in seen.paths  # not an entry of a watched directory
+        assert active not in seen.got and version not in seen.got, seen.got
+        assert version / "B" not in seen.got  # not an entry of a watched directory
     finally:
         w.stop()
