@@ -28,6 +28,8 @@ import pytest
 from kvcdguest import (
     DRIVER_DIR,
     containerfile,
+    diagnose,
+    kvcd_status,
     module_version,
     proc_modules,
     sh,
@@ -68,6 +70,23 @@ def loaded() -> dict[str, list[str]]:
     return {m: u for m, u in proc_modules().items() if m in MODS}
 
 
+def until(pred: Any, timeout: float, what: str) -> Any:
+    """wait_for, but an instance that goes Degraded meanwhile fails now, with its reason and
+    the journal (diagnose), instead of after the whole timeout."""
+
+    def check() -> Any:
+        got = pred()
+        if got:
+            return got
+        st = kvcd_status(NAME)
+        if st and st.get("state") == "Degraded":
+            diagnose()
+            raise AssertionError(f"{NAME} Degraded while waiting for {what}: {st.get('reason')}")
+        return None
+
+    return wait_for(check, timeout, what)
+
+
 def settle(*states: str) -> dict[str, Any]:
     return wait_for(state_is(*states, instance=NAME), BUILD_TIMEOUT, f"{NAME} in {states}")
 
@@ -94,7 +113,7 @@ def test_n1_label_drives_ordered_upgrade() -> None:
     assert ann("state") == "Done" and ann("ready") is None
 
     sh(["kvcd", "label", f"{LABEL}=1.0"])
-    wait_for(lambda: set(loaded()) == set(MODS), BUILD_TIMEOUT, "1.0 loaded by the label")
+    until(lambda: set(loaded()) == set(MODS), BUILD_TIMEOUT, "1.0 loaded by the label")
     assert module_version("kvcd_user") == "1.0"
     wait_for(lambda: ann("ready") == "1.0", 60, "ready annotation 1.0")
     assert ann("version") == "1.0" and ann("kernel") == os.uname().release
@@ -109,7 +128,7 @@ def test_n1_label_drives_ordered_upgrade() -> None:
 
     # The label moves: 1.0 out, 2.0 in.
     sh(["kvcd", "label", f"{LABEL}=2.0"])
-    wait_for(lambda: module_version("kvcd_user") == "2.0", BUILD_TIMEOUT, "2.0 loaded")
+    until(lambda: module_version("kvcd_user") == "2.0", BUILD_TIMEOUT, "2.0 loaded")
     wait_for(lambda: ann("ready") == "2.0", 60, "ready annotation 2.0")
     journal = sh(["journalctl", "-u", UNIT, "-o", "cat", "--no-pager"]).stdout
     assert re.search(r"ordered upgrade: LabelAbsent", journal), journal[-2000:]
