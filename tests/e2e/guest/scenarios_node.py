@@ -51,7 +51,8 @@ def write_instance(version: str, modules: tuple[str, ...] = MODS, drain: str = "
     CONF.write_text(
         f'version = "{version}"\nmodules = [{mods}]\nordered_upgrade = true\ndrain = "{drain}"\n'
         f'[build]\ncontext = "{DRIVER_DIR}"\ncontainerfile = "{containerfile(version)}"\n'
-        '[params.kvcd_user]\ngreeting = "node"\n'
+        # Parameters only for a module the instance has: kvcd refuses the others (ConfigInvalid).
+        + ('[params.kvcd_user]\ngreeting = "node"\n' if "kvcd_user" in modules else "")
     )
     CONF.chmod(0o644)
     print(CONF.read_text())
