@@ -17,7 +17,7 @@ import pytest
 from kvcd.host import kmod
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import run
-from tests.integration.kmods import BuiltKmods, build_test_kmods, missing_tools, newest_headers
+from tests.integration.kmods import BuiltKmods, build_test_kmods, compiled_kmods_or_skip
 
 pytestmark = pytest.mark.integration
 
@@ -29,15 +29,7 @@ APT_HINT = "apt-get install -y linux-headers-amd64 make kmod zstd"
 
 @pytest.fixture(scope="module")
 def kmods() -> BuiltKmods:
-    missing = missing_tools()
-    if newest_headers() is None:
-        missing.append("linux-headers-*-amd64")
-    if missing:
-        why = f"cannot build test modules, missing {', '.join(missing)} ({APT_HINT})"
-        if os.environ.get("CI"):
-            pytest.fail(why + ", and CI is set")
-        pytest.skip(why)
-    return build_test_kmods("1.0")
+    return compiled_kmods_or_skip(APT_HINT)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvcd.host import kmod
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import Podman
 from tests import fakehost
-from tests.integration.kmods import BuiltKmods, build_test_kmods, missing_tools, newest_headers
+from tests.integration.kmods import BuiltKmods, compiled_kmods_or_skip
 
 pytestmark = pytest.mark.integration
 
@@ -39,9 +39,7 @@ RUN echo "$KMODVER" > /kmodver && {extra}true
 
 @pytest.fixture(scope="module")
 def kmods() -> BuiltKmods:
-    if newest_headers() is None or missing_tools():
-        pytest.skip(f"cannot compile test modules: {missing_tools() or 'no linux-headers'}")
-    return build_test_kmods("1.0")
+    return compiled_kmods_or_skip("apt-get install -y linux-headers-amd64 make kmod")
 
 
 class Node:
