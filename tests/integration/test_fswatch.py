@@ -17,10 +17,12 @@ from typing import Any, Generic, TypeVar
 
 import pytest
 
+from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.daemon import drift
 from kvcd.daemon.events import HOLD, Context, Event
 from kvcd.host.fswatch import DirWatch
+from kvcd.host.paths import HostRoot
 
 pytestmark = pytest.mark.integration
 
@@ -153,25 +155,29 @@ def test_directory_that_does_not_exist_yet(tmp_path: Path) -> None:
         w.stop()
 
 
+def drift_rig(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[HostRoot, InstanceConfig, Settings]:
+    """test_drift's instance on a fake host (1.0 in the store), its config loaded."""
+    from kvcd.config.loader import load_instance, load_settings
+    from tests import fakehost
+    from tests.unit.test_drift import CONFIG, MODS, NAME, K, store
+
+    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
+    store(root, "1.0", MODS)
+    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
+    root.runtime.mkdir(parents=True, exist_ok=True)
+    return root, load_instance(root, NAME), load_settings(root)
+
+
 def test_drift_monitor_on_real_inotify(
     tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write to an instance module file -> an Event from the watcher -> Degraded verdict."""
-    from kvcd.config.loader import load_instance, load_settings
     from kvcd.daemon.instance import Instance
-    from kvcd.host.paths import HostRoot
-    from tests import fakehost
-    from tests.unit.test_drift import CONFIG, MODS, NAME, K, store
+    from tests.unit.test_drift import NAME, K
 
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
-    store(root, "1.0", MODS)
-    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
-    root.runtime.mkdir(parents=True, exist_ok=True)
-    cfg, settings = load_instance(root, NAME), load_settings(root)
+    root, cfg, settings = drift_rig(tmp_path, fake_commands, monkeypatch)
     posted = Arrivals[Event](lambda e: e.what)
     ctx = Context(root, NAME, K, settings, cfg, posted)
     rec = Instance(root, settings, cfg, K).apply("load")
@@ -203,23 +209,12 @@ def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
     the state, status and drift record files, a regenerate scratch tree. Every reconcile those
     events cause must leave nothing behind that triggers another one: counted in rounds of
     (all events so far -> verdict + after), never in time."""
-    from kvcd.config.loader import load_instance, load_settings
     from kvcd.daemon.instance import Instance
     from kvcd.host import kmod
-    from kvcd.host.paths import HostRoot
-    from tests import fakehost
-    from tests.unit.test_drift import CONFIG, MODS, NAME, K, store
+    from tests.unit.test_drift import MODS, NAME, K, store
 
     b = "6.1.0-9001-amd64"
-    root = HostRoot(tmp_path / "root")
-    fakehost.make_host(root, K)
-    monkeypatch.setenv("FAKE_ROOT", str(root.root))
-    for name, script in fakehost.SCRIPTS.items():
-        fake_commands.add(name, script)
-    store(root, "1.0", MODS)
-    fakehost.write_config(root, NAME, CONFIG.format(v="1.0"))
-    root.runtime.mkdir(parents=True, exist_ok=True)
-    cfg, settings = load_instance(root, NAME), load_settings(root)
+    root, cfg, settings = drift_rig(tmp_path, fake_commands, monkeypatch)
     posted: list[Event] = []
     lock = threading.Lock()
 
