@@ -58,6 +58,23 @@ def fake_host(root: HostRoot, kernel: str, fake_commands: Any, monkeypatch: Any)
     return root
 
 
+def instance_host(
+    root: HostRoot,
+    kernel: str,
+    fake_commands: Any,
+    monkeypatch: Any,
+    config: str,
+    modules: list[str],
+    versions: tuple[str, ...] = ("1.0", "2.0"),
+) -> HostRoot:
+    """fake_host with instance "e2e": `config` written, each version already in the store."""
+    fake_host(root, kernel, fake_commands, monkeypatch)
+    for v in versions:
+        store_version(root, "e2e", v, kernel, modules)
+    write_config(root, "e2e", config)
+    return root
+
+
 class RecordingNotifier(Notifier):
     """A Notifier without a socket that keeps what it would send (watchdog pings left out)."""
 

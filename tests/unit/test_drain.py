@@ -158,12 +158,15 @@ class Clock:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
     monkeypatch.setenv("NODE_NAME", "n1")
-    for v in ("1.0", "2.0"):
-        fakehost.store_version(root, "e2e", v, K, MODS)
-    fakehost.write_config(root, "e2e", CONFIG.format(v="1.0", mode="cluster"))
-    return root
+    return fakehost.instance_host(
+        HostRoot(tmp_path / "root"),
+        K,
+        fake_commands,
+        monkeypatch,
+        CONFIG.format(v="1.0", mode="cluster"),
+        MODS,
+    )
 
 
 def hold(root: HostRoot, module: str, by: str) -> None:

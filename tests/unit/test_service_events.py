@@ -33,11 +33,9 @@ CONFIG = 'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontex
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
-    for v in ("1.0", "2.0"):
-        fakehost.store_version(root, "e2e", v, K, MODS)
-    fakehost.write_config(root, "e2e", CONFIG.format(v="1.0"))
-    return root
+    return fakehost.instance_host(
+        HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch, CONFIG.format(v="1.0"), MODS
+    )
 
 
 def loaded(root: HostRoot) -> list[str]:
