@@ -17,27 +17,15 @@ import json
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.common import ROOT, summary, timed_runs
+from benchmarks.common import ROOT, summary, timed_calls, timed_runs
 from kvcd.core.capabilities import decide
 from kvcd.host import devices, discover
 from kvcd.host.netlink import list_links
 from kvcd.host.paths import HostRoot
 
 REAL = HostRoot(Path("/"))
-
-
-def timeit(fn: Callable[[], object], runs: int) -> list[float]:
-    fn()  # warm caches and imports
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def ip_json_links() -> list[dict[str, object]]:
@@ -65,16 +53,16 @@ def main() -> None:
         f"node: {len(caps)} capabilities, {len(caps.get('cpu_flags', ()))} cpu flags, "
         f"{len(caps.get('pci_devices', ()))} PCI devices"
     )
-    line("discover() (all capabilities)", timeit(lambda: discover.discover(REAL), runs))
+    line("discover() (all capabilities)", timed_calls(lambda: discover.discover(REAL), runs))
 
-    sysfs = timeit(lambda: devices.scan_sysfs(REAL), runs)
-    udev = timeit(devices.scan_udev, runs)
+    sysfs = timed_calls(lambda: devices.scan_sysfs(REAL), runs)
+    udev = timed_calls(devices.scan_udev, runs)
     print(f"devices with a modalias: {len(devices.scan_sysfs(REAL))}")
     line("devices: sysfs walk", sysfs, udev, "of pyudev")
     line("devices: pyudev", udev)
 
-    nl = timeit(lambda: list_links(REAL), runs)
-    ipj = timeit(ip_json_links, runs)
+    nl = timed_calls(lambda: list_links(REAL), runs)
+    ipj = timed_calls(ip_json_links, runs)
     print(f"links: {len(list_links(REAL))}")
     line("links: pyroute2 list_links()", nl, ipj, "of `ip -j -d link`")
     line("links: `ip -j -d link` + parse", ipj)
@@ -85,7 +73,9 @@ def main() -> None:
         for k in range(64)
     ]
     node = {f"c{i}": ["v0", "v1", "v2"] for i in range(12)}
-    line("decide(): 64 variants x 12 caps", timeit(lambda: decide(node, variants, table), runs))
+    line(
+        "decide(): 64 variants x 12 caps", timed_calls(lambda: decide(node, variants, table), runs)
+    )
 
     cli, peak = timed_runs(
         [sys.executable, "-m", "kvcd.cli", "capabilities", "--json"], max(5, runs // 5)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, summary
+from benchmarks.common import ROOT, summary, timed_calls
 from kvcd.config.model import InstanceConfig, ModuleSpec, Settings
 from kvcd.daemon import nextkernel
 from kvcd.daemon.observe import MANIFEST, store_dir
@@ -50,27 +50,18 @@ def rhel_boot(root: HostRoot, entries: int) -> None:
     root("/boot/grub2/grubenv").write_text(head + "#" * (1024 - len(head)))
 
 
-def time_calls(fn: Any, runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def detection(tmp: Path, runs: int) -> None:
     for n in (3, 30):
         root = HostRoot(tmp / f"rhel{n}")
         rhel_boot(root, n)
         assert bootloader.next_boot(root, use_grubby=False).source == "grubenv"
-        times = time_calls(lambda r=root: bootloader.next_boot(r, use_grubby=False), runs)
+        times = timed_calls(lambda r=root: bootloader.next_boot(r, use_grubby=False), runs)
         print(f"detect, {n:2d} BLS entries + grubenv: {summary(times)}")
     root = HostRoot(tmp / "debian")
     root("/boot").mkdir(parents=True)
     root("/vmlinuz").symlink_to("boot/vmlinuz-6.1.0-56-amd64")
     assert bootloader.next_boot(root).source == "vmlinuz"
-    times = time_calls(lambda: bootloader.next_boot(root), runs)
+    times = timed_calls(lambda: bootloader.next_boot(root), runs)
     print(f"detect, Debian /vmlinuz link:        {summary(times)}")
 
 

@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,19 @@ def timed_runs(
             )
         peak = max(peak, usage.ru_maxrss)
     return times, peak
+
+
+def timed_calls(fn: Callable[[], object], runs: int, *, warm: bool = True) -> list[float]:
+    """Wall seconds of each of `runs` in-process calls (after one untimed call when `warm`:
+    imports done, caches hot)."""
+    if warm:
+        fn()
+    times: list[float] = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def summary(times: list[float]) -> str:
