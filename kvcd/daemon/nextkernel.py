@@ -33,6 +33,8 @@ The outcome goes into the instance's Record (`next_kernel`, `next_kernel_state` 
 ready | failed, `next_kernel_reason`); the node reporter publishes it. Preparing never changes
 the running kernel's modules or the instance's own state.
 
+After each look, the store trees kernel updates left behind are removed (kvcd/daemon/storegc.py).
+
 Bad input leaves nothing half-written: the kABI check runs before anything is written, the
 store tree for B is staged under a temporary name and renamed, and a failure after that
 removes the link and the tree again.
@@ -54,6 +56,7 @@ from kvcd.core.actions import AcquireImage, Extract, Hook
 from kvcd.core.plan import plan_load
 from kvcd.core.state import StepFailed
 from kvcd.daemon import kabi as daemon_kabi
+from kvcd.daemon import storegc
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
@@ -462,6 +465,7 @@ class NextKernel(Extension):
             if self.ours_only:
                 self.dirty = False
                 self.outcome = self.refresh(ctx, record)
+                self.collect(ctx)
             elif reached and not self.deferred:
                 self.deferred = True
                 ctx.post(Event(SOURCE, "look for the next kernel"))
@@ -532,6 +536,14 @@ class NextKernel(Extension):
                     extra={**fields, "MESSAGE_ID": journal.MSG_NEXT_KERNEL_FAILED},
                 )
         return outcome
+
+    def collect(self, ctx: Context) -> None:
+        """Drop the store trees the kernel updates left behind (kvcd/daemon/storegc.py)."""
+        keep = self.outcome.kernel if self.outcome is not None else None
+        try:
+            storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None)
+        except Exception:  # clean-up must never take the daemon down
+            log.exception("store clean-up failed", extra={**ctx.fields, "KVCD_INSTANCE": ctx.name})
 
     def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
         """Put the outcome into the record the service holds and into the state file."""

@@ -58,8 +58,13 @@ class HostRoot:
         """The base directory handed to `depmod -b` and `modprobe -d`."""
         return self.state / "modules"
 
+    @property
+    def kernel_dirs(self) -> Path:
+        """The module root's lib/modules: one tree per kernel."""
+        return self.module_root / "lib" / "modules"
+
     def kernel_dir(self, kernel: str) -> Path:
-        return self.module_root / "lib" / "modules" / kernel
+        return self.kernel_dirs / kernel
 
     def store(self, instance: str) -> Path:
         """Extracted module trees of an instance, one directory per version and kernel."""

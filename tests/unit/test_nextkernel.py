@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
-from kvcd.daemon import nextkernel, status
+from kvcd.daemon import nextkernel, status, storegc
 from kvcd.daemon.events import Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
@@ -517,3 +518,123 @@ def test_request_is_not_lost_or_repeated_while_another_extension_holds(host: Hos
     ext.verdict(ctx, posted[-1:])
     ext.after(ctx, rec)
     assert asked == [1] and len(posted) == 2
+
+
+# --- store clean-up (kvcd/daemon/storegc.py; the rule: tests/unit/test_storegc.py) ----------
+
+C = "6.1.0-58-amd64"
+
+
+def prepared_weak(root: HostRoot, kernel: str, instance: str = NAME) -> Path:
+    """A weak-updates tree for `kernel` linked in kvcd's module root, as link_weak leaves it."""
+    tree = fakehost.store_version(root, instance, "1.0", kernel, ["kvcd_base", "kvcd_user"])
+    root.kernel_dir(kernel).mkdir(parents=True, exist_ok=True)
+    kmod.link_weak_updates(root, kernel, instance, tree)
+    return tree
+
+
+def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
+    running = running_extraction(host)
+    kmod.prepare_kernel_tree(host, A)
+    kmod.activate(host, A, NAME, running)
+    old_version = fakehost.store_version(host, NAME, "0.9", A, ["kvcd_base"])  # kept
+    next_tree = prepared_weak(host, B)
+    gone_tree = prepared_weak(host, C)  # was the next kernel; its package is gone now
+    (host.state / "drift").mkdir(parents=True)
+    (host.state / "drift" / f"depmod-{C}.json").write_text("{}")
+
+    removed = storegc.collect(host, config(host), A, B)
+
+    assert removed == [
+        f"{gone_tree} (kernel {C} not installed)",
+        f"{host.kernel_dir(C)} (kernel {C} not installed)",
+    ]
+    assert old_version.is_dir()  # going back to 0.9 needs no podman
+    assert running.is_dir() and kmod.active_store(host, A, NAME) == running
+    assert next_tree.is_dir() and kmod.weak_updates_store(host, B, NAME) == next_tree
+    assert not host.kernel_dir(C).exists()
+    assert not (host.state / "drift" / f"depmod-{C}.json").exists()
+    assert storegc.collect(host, config(host), A, B) == []  # idempotent
+
+
+def test_clean_up_keeps_trees_other_instances_link(host: HostRoot) -> None:
+    running_extraction(host)
+    prepared_weak(host, C)
+    theirs = prepared_weak(host, C, instance="other")
+    removed = storegc.collect(host, config(host), A, None)
+    assert removed == [f"{store_dir(host, NAME, '1.0', C)} (kernel {C} not installed)"]
+    assert kmod.weak_updates_store(host, C, "other") == theirs  # not this instance's to drop
+    assert host.kernel_dir(C).is_dir()
+
+
+def test_clean_up_keeps_the_next_kernel_even_before_it_is_installed(host: HostRoot) -> None:
+    tree = prepared_weak(host, C)
+    assert storegc.collect(host, config(host), A, C) == []
+    assert tree.is_dir()
+
+
+def test_clean_up_removes_nothing_when_rpm_ostree_cannot_tell(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    host("/run/ostree-booted").parent.mkdir(parents=True, exist_ok=True)
+    host("/run/ostree-booted").write_text("")
+    fake_commands.add("rpm-ostree", "echo 'error: Connection refused' >&2; exit 1\n")
+    tree = prepared_weak(host, C)
+    assert storegc.installed_kernels(host) is None
+    assert storegc.collect(host, config(host), A, None) == []
+    assert tree.is_dir()
+
+
+def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    host("/run/ostree-booted").parent.mkdir(parents=True, exist_ok=True)
+    host("/run/ostree-booted").write_text("")
+    status_json = json.dumps(
+        {
+            "deployments": [
+                {"id": "fedora-1", "osname": "fedora", "checksum": "b" * 64, "serial": 0,
+                 "booted": True, "base-commit-meta": {"ostree.linux": A}},
+                {"id": "fedora-0", "osname": "fedora", "checksum": "c" * 64, "serial": 0,
+                 "base-commit-meta": {"ostree.linux": C}},
+            ]
+        }
+    )  # fmt: skip
+    fake_commands.add("rpm-ostree", f"cat <<'J'\n{status_json}\nJ\n")
+    rollback = prepared_weak(host, C)  # the rollback deployment's kernel: not in /lib/modules
+    assert storegc.installed_kernels(host) == {A, B, C}
+    assert storegc.collect(host, config(host), A, None) == []
+    assert rollback.is_dir()
+
+
+def test_extension_cleans_up_after_a_kernel_is_removed(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B was prepared as the next kernel; then its package is removed and the boot loader's
+    default goes back to A: the tree prepared for B goes with it."""
+    running_extraction(host)
+    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
+    answers = [next_boot(host, B)]
+    watches: list[FakeWatch] = []
+
+    def watch(dirs: Any, cb: Any) -> FakeWatch:
+        watches.append(FakeWatch(dirs, cb))
+        return watches[-1]
+
+    ext = NextKernel(Settings(), detector=lambda _r: answers[-1], podman=FakePodman, watch=watch)
+    ctx, posted = context(host, config(host))
+    ext.start(ctx)
+    rec = record(host)
+    ext.verdict(ctx, [Event("next-kernel", "look")])
+    ext.after(ctx, rec)
+    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
+    prepared = store_dir(host, NAME, "1.0", B)
+    assert prepared.is_dir()
+
+    shutil.rmtree(host.system_modules(B))  # dnf remove kernel-core-B
+    answers.append(next_boot(host, None))
+    watches[0].on_change(host("/boot/loader/entries/x-B.conf"))
+    ext.verdict(ctx, posted[-1:])
+    ext.after(ctx, rec)
+    assert not prepared.exists() and not host.kernel_dir(B).exists()
+    assert rec.next_kernel == ""

@@ -1,0 +1,110 @@
+"""Remove the store trees and module-root trees that kernel updates leave behind
+(the rule: kvcd/core/storegc.py).
+
+Run by the next-kernel extension after each look at the boot configuration (a kernel installed
+or removed changes /boot, which it watches), on the main thread, under the instance lock; never
+while a change is applied. It never touches the running kernel (always "installed"), and when it
+cannot tell which kernels are installed (rpm-ostree does not answer) it removes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from contextlib import suppress
+from pathlib import Path
+
+from kvcd.config.model import InstanceConfig
+from kvcd.core import storegc
+from kvcd.daemon import drift
+from kvcd.host import files, kmod, rpmostree
+from kvcd.host.paths import HostRoot
+
+log = logging.getLogger(__name__)
+
+
+def installed_kernels(root: HostRoot) -> set[str] | None:
+    """Kernels installed on the host: ``/lib/modules/<k>`` with the ``modules.builtin`` every
+    kernel package ships (a directory a removed kernel left with stray files does not count),
+    and on rpm-ostree hosts every deployment's kernel. None when rpm-ostree cannot be read."""
+    found: set[str] = set()
+    base = root("/lib/modules")
+    with suppress(FileNotFoundError, NotADirectoryError):
+        found |= {p.name for p in base.iterdir() if (p / "modules.builtin").is_file()}
+    if rpmostree.is_ostree_host(root):
+        try:
+            deployments = rpmostree.read_deployments(root)
+        except rpmostree.RpmOstreeError as exc:
+            log.info("store clean-up skipped: %s", exc)
+            return None
+        found |= {d.kernel for d in deployments if d.kernel is not None}
+    return found
+
+
+def _links(root: HostRoot, kernel: str, name: str) -> set[Path]:
+    try:
+        found = {kmod.active_store(root, kernel, name), kmod.weak_updates_store(root, kernel, name)}
+    except (kmod.KmodError, ValueError):
+        return set()
+    return {Path(os.path.abspath(p)) for p in found if p is not None}
+
+
+def _kernel_trees(root: HostRoot) -> list[str]:
+    base = root.kernel_dirs
+    try:
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.is_symlink())
+    except FileNotFoundError:
+        return []
+
+
+def _instance_links(kdir: Path) -> bool:
+    """Whether any instance links into this module-root kernel tree (extra/ or weak-updates/)."""
+    for sub in ("extra", kmod.WEAK_UPDATES):
+        with suppress(FileNotFoundError, NotADirectoryError):
+            if any(not e.name.startswith(".") for e in os.scandir(kdir / sub)):
+                return True
+    return False
+
+
+def collect(
+    root: HostRoot, cfg: InstanceConfig, running: str, next_kernel: str | None
+) -> list[str]:
+    """Remove this instance's stale store trees and the module-root trees of kernels that are
+    gone; return one line per removal (also logged)."""
+    installed = installed_kernels(root)
+    if installed is None:
+        return []
+    installed |= {running} | ({next_kernel} if next_kernel else set())
+    fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": running}
+    removed: list[str] = []
+    with files.locked(root.runtime / f"{cfg.name}.lock"):
+        base = root.store(cfg.name)
+        trees: list[storegc.Tree] = []
+        with suppress(FileNotFoundError):
+            for vdir in sorted(p for p in base.iterdir() if p.is_dir()):
+                for kdir in sorted(p for p in vdir.iterdir() if p.is_dir()):
+                    if kdir.name.startswith("."):  # a staging directory: not a tree
+                        continue
+                    ours = Path(os.path.abspath(kdir)) in _links(root, kdir.name, cfg.name)
+                    trees.append(storegc.Tree(vdir.name, kdir.name, ours))
+        for tree in storegc.stale(trees, installed=installed):
+            if tree.linked:  # only of a kernel that is gone: take kvcd's links to it first
+                kmod.deactivate(root, tree.kernel, cfg.name)
+                kmod.unlink_weak_updates(root, tree.kernel, cfg.name)
+            path = base / tree.version / tree.kernel
+            shutil.rmtree(path)
+            with suppress(OSError):  # the version directory, when that was its last kernel
+                path.parent.rmdir()
+            removed.append(f"{path} (kernel {tree.kernel} not installed)")
+        kernels = _kernel_trees(root)
+        linked = {k for k in kernels if _instance_links(root.kernel_dir(k))}
+        for kernel in storegc.stale_kernel_trees(kernels, installed=installed, linked=linked):
+            with kmod.tree_lock(root):
+                shutil.rmtree(root.kernel_dir(kernel))
+            with suppress(FileNotFoundError):
+                drift.depmod_record_path(root, kernel).unlink()
+            removed.append(f"{root.kernel_dir(kernel)} (kernel {kernel} not installed)")
+    for line in removed:
+        log.info("store clean-up: removed %s", line, extra=fields)
+    return removed
