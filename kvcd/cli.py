@@ -170,11 +170,15 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.control import request_reload
 
         return request_reload(root, args.instance, args.timeout)
+    from kvcd.daemon.observe import host_for
+
+    settings = load_settings(root)
+    root = host_for(root, settings)
     cfg = load_instance(root, args.instance)
     if verb == "wrapper":
         from kvcd.daemon.control import wrapper
 
-        return wrapper(root, load_settings(root), cfg, _kernel(root, args), args.command)
+        return wrapper(root, settings, cfg, _kernel(root, args), args.command)
     if verb in ("load", "unload") and not args.dry_run:
         from kvcd.daemon.control import daemon_pid
 
@@ -191,7 +195,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     progress = _Progress()
     inst = Instance(
         root,
-        load_settings(root),
+        settings,
         cfg,
         _kernel(root, args),
         on_step=progress.step,
@@ -225,7 +229,10 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     if not names:
         print("no instances configured")
         return EXIT_OK
+    from kvcd.daemon.observe import host_for
+
     settings = load_settings(root)
+    root = host_for(root, settings)
     if kernel is None:
         try:
             kernel = running_kernel(root)

@@ -118,8 +118,10 @@ _SETTINGS_KEYS = (
     "drain_timeout",
     "drift_interval",
     "node_capabilities",
+    "module_tree",
 )
 NODE_BACKENDS = ("file", "kubernetes")
+MODULE_TREES = ("kvcd", "system")
 DRAIN_MODES = ("none", "cluster")
 # A Kubernetes label/annotation name part: at most 63 characters, alphanumeric at both ends.
 _QNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -249,6 +251,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "drain": lambda v, k: _choice(v, k, DRAIN_MODES),
         "drain_timeout": _seconds,
         "drift_interval": _drift_interval,
+        "module_tree": lambda v, k: _choice(v, k, MODULE_TREES),
     }
     for key, rule in rules.items():
         if key in data:

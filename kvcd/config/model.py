@@ -150,6 +150,9 @@ class Settings:
     extra: dict[str, str] = field(default_factory=dict)
     # Capability values the admin pins for this node; they replace discovered ones (GEP-33).
     node_capabilities: Capabilities = ()
+    # Where instance modules are installed: "kvcd" (kvcd's own module root under
+    # /var/lib/kvcd/modules) or "system" (the system's /lib/modules, with weak-modules).
+    module_tree: str = "kvcd"
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

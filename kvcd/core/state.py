@@ -16,6 +16,9 @@ BUILD_FAILED = "BuildFailed"
 EXTRACT_FAILED = "ExtractFailed"
 WRONG_KERNEL = "WrongKernel"
 KERNEL_TREE_MISSING = "KernelTreeMissing"
+# The modules could not be put into the module tree (module_tree = "system": /lib/modules is
+# read-only, or holds a directory kvcd did not install).
+INSTALL_FAILED = "InstallFailed"
 DEPMOD_FAILED = "DepmodFailed"
 LOAD_FAILED = "LoadFailed"
 UNLOAD_FAILED = "UnloadFailed"
@@ -48,6 +51,7 @@ REASONS = (
     EXTRACT_FAILED,
     WRONG_KERNEL,
     KERNEL_TREE_MISSING,
+    INSTALL_FAILED,
     DEPMOD_FAILED,
     LOAD_FAILED,
     UNLOAD_FAILED,

@@ -251,6 +251,7 @@ class Check:
         self.expected: dict[str, core.Expect] = {}
         self.observed: dict[str, core.Fact] = {}
         self.watch_dirs: set[Path] = set()
+        self.differences: list[core.Difference] = []  # found directly, not by comparison
         self.store: Path | None = None  # the active store tree, when the link is valid
         data = files.read_json(baseline_path(root, cfg.name))
         self.baseline: dict[str, Any] = data if isinstance(data, dict) else {}
@@ -263,6 +264,9 @@ class Check:
         tree = baseline_tree(self.baseline, self.kernel)
         was = tree.get("link") if isinstance(tree.get("link"), str) else None
         f = fact(link)
+        if self.root.system_tree and f.kind in (core.DIR, core.ABSENT):
+            self._installed_copy(link, own_store, was, tree)
+            return
         key = str(link)
         self.observed[key] = f
         if f.kind == core.ABSENT:
@@ -277,23 +281,35 @@ class Check:
             self.expected[key] = core.Expect(core.SYMLINK, target=f"a directory in {own_store}")
             return
         self.expected[key] = core.Expect(core.SYMLINK, target=f.target)
+        entries = self._store_tree(target, was == f.target, tree)
+        if entries is not None:
+            self._files(target, entries)
+
+    def _store_tree(
+        self, target: Path, recorded: bool, tree: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The module files the active store tree must hold (its manifest's, else, when
+        `recorded` and the manifest is gone too, what kvcd recorded); None: nothing complete
+        there and nothing recorded (the plan extracts it)."""
         self.store = target
         self.watch_dirs.add(target)
         manifest = read_manifest(target)
         if manifest is not None:
-            entries = tree_entries(manifest)
-        elif was == f.target and isinstance(tree.get("files"), dict):
-            # kvcd's manifest is gone too: what kvcd recorded for this tree is the expectation.
-            entries = tree["files"]
+            return tree_entries(manifest)
+        if recorded and isinstance(tree.get("files"), dict):
             self.expected[str(target / MANIFEST)] = core.Expect(core.FILE)
             self.observed[str(target / MANIFEST)] = fact(target / MANIFEST)
-        else:
-            return  # no complete extraction there and none recorded: the plan extracts it
-        listed: set[Path] = {target / MANIFEST}
+            return dict(tree["files"])
+        return None
+
+    def _files(self, base: Path, entries: dict[str, Any]) -> None:
+        """`base` holds exactly the listed module files (sha256, mode); any other module file
+        there is unexpected."""
+        listed: set[Path] = set()
         for rel, info in sorted(entries.items()):
             if not isinstance(info, dict):
                 continue
-            path = Path(os.path.normpath(target / rel))
+            path = Path(os.path.normpath(base / rel))
             listed.add(path)
             self.watch_dirs.add(path.parent)
             sha = info.get("sha256")
@@ -304,12 +320,43 @@ class Check:
                 mode=mode if isinstance(mode, int) else None,
             )
             self.observed[str(path)] = fact(path)
-        # Anything module-like kvcd did not extract is unexpected.
-        for dirpath, _dirs, names in os.walk(target):
+        for dirpath, _dirs, names in os.walk(base):
             for name in names:
                 path = Path(dirpath) / name
                 if name.endswith(MODULE_SUFFIXES) and path not in listed:
                     self.observed[str(path)] = fact(path)
+
+    def _installed_copy(
+        self, installed: Path, own_store: Path, was: str | None, tree: dict[str, Any]
+    ) -> None:
+        """The system tree (module_tree = "system"): ``extra/<instance>/`` is a copy of a store
+        tree, named by its ``.kvcd-store``; both the copy and the store tree must match the
+        manifest."""
+        marker = installed / kmod.STORE_MARKER
+        key = str(marker)
+        f = fact(marker)
+        self.observed[key] = f
+        self.watch_dirs.add(installed)
+        text = f"{was}\n".encode()
+        want = hashlib.sha256(text).hexdigest() if was else None
+        if f.kind == core.ABSENT:  # kvcd recorded it installed: someone removed it
+            self.expected[key] = core.Expect(core.FILE, sha256=want) if was else f_absent()
+            if not was and installed.is_dir():  # a directory kvcd did not install
+                self.expected[str(installed)] = f_absent()
+                self.observed[str(installed)] = fact(installed)
+            return
+        self.expected[key] = core.Expect(core.FILE, sha256=want, size=len(text) if was else None)
+        if f.kind != core.FILE:
+            return
+        target = Path(marker.read_text().strip())
+        if not target.is_relative_to(own_store):
+            detail = f"names {target}, expected a tree in {own_store}"
+            self.differences.append(core.Difference(key, core.CONTENT, detail))
+            return
+        entries = self._store_tree(target, was == str(target), tree)
+        if entries is not None:
+            self._files(target, entries)
+            self._files(installed, entries)
 
     # depmod indexes: node-wide record, verified by regeneration when it disagrees
     def _depmod(self) -> list[core.Difference]:
@@ -412,8 +459,8 @@ class Check:
 
     # kvcd's depmod search order: fixed text and mode, there once kvcd has run depmod
     def _depmod_conf(self) -> None:
-        if not self.root.kernel_dir(self.kernel).is_dir():
-            return
+        if self.root.system_tree or not self.root.kernel_dir(self.kernel).is_dir():
+            return  # the system tree keeps the system's own depmod configuration
         conf = kmod.depmod_conf(self.root)
         self.watch_dirs.add(conf.parent)
         self.expected[str(conf)] = core.Expect(
@@ -427,7 +474,7 @@ class Check:
         self._module_tree()
         self._units()
         self._depmod_conf()
-        diffs = core.compare(self.expected, self.observed)
+        diffs = core.compare(self.expected, self.observed) + self.differences
         # After the comparison: the depmod indexes have their own (regenerating) verdict.
         depmod = self._depmod()
         return sorted([*diffs, *depmod], key=lambda d: (d.path, d.what))
@@ -644,7 +691,7 @@ class DriftMonitor(Extension):
         """depmod's indexes for kvcd's current module tree, generated in a scratch root that
         links to the same module files; {name: (normalized digest, mode)}; None on failure."""
         real = root.kernel_dir(kernel)
-        scratch = HostRoot(drift_dir(root) / f".regen-{os.getpid()}")
+        scratch = HostRoot(drift_dir(root) / f".regen-{os.getpid()}", root.system_tree)
         shutil.rmtree(scratch.root, ignore_errors=True)
         try:
             kdir = scratch.kernel_dir(kernel)
@@ -697,7 +744,11 @@ class DriftMonitor(Extension):
             drop = {store_dir(ctx.root, ctx.name, self.cfg.version, ctx.kernel)}
             if link.is_symlink():
                 drop.add(Path(os.path.normpath(os.path.join(link.parent, os.readlink(link)))))
-            elif link.is_dir():
+            elif link.is_dir():  # the system tree's installed copy, or not kvcd's at all
+                with contextlib.suppress(kmod.KmodError):
+                    active = kmod.active_store(ctx.root, ctx.kernel, ctx.name)
+                    if active is not None:
+                        drop.add(active)
                 shutil.rmtree(link)
             elif link.exists():
                 link.unlink()
@@ -852,7 +903,11 @@ class DriftMonitor(Extension):
             units = {p: _fact_json(f) for p, f in facts.items()}
         self._forced = False
         link = link_path(ctx.root, ctx.kernel, ctx.name)
-        target = os.readlink(link) if link.is_symlink() else None
+        try:  # the link's target, or what the system tree's installed copy came from
+            active = kmod.active_store(ctx.root, ctx.kernel, ctx.name)
+        except kmod.KmodError:
+            active = None
+        target = str(active) if active is not None else None
         entries: dict[str, dict[str, Any]] = {}
         if target is not None:
             manifest = read_manifest(Path(os.path.normpath(os.path.join(link.parent, target))))

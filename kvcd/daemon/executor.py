@@ -262,8 +262,10 @@ class Executor:
         try:
             kmod.prepare_kernel_tree(self.root, a.kernel)
             previous = kmod.activate(self.root, a.kernel, self.cfg.name, target)
-        except kmod.KmodError as exc:
+        except (kmod.KernelTreeMissing, kmod.StoreMissing) as exc:
             raise StepFailed(state.KERNEL_TREE_MISSING, str(exc)) from exc
+        except kmod.KmodError as exc:
+            raise StepFailed(state.INSTALL_FAILED, str(exc)) from exc
         if not attempt.activated:
             attempt.previous_store = previous
             attempt.activated = True

@@ -120,11 +120,17 @@ def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None
         }
     except kmod.KmodError:
         return None
-    if Path(os.path.abspath(target)) not in linked or not _dep_lists(root, kernel, cfg.name):
-        return None
     source = manifest.get(WEAK_FROM)
+    if _by_weak_modules(root) and isinstance(source, str):
+        if kmod.weak_modules_missing(root, source, kernel, cfg.name):
+            return None
+    elif Path(os.path.abspath(target)) not in linked:
+        return None
+    if not _dep_lists(root, kernel, cfg.name):
+        return None
     if isinstance(source, str):
-        return f"weak-updates from {source} (kABI-compatible)"
+        how = " by weak-modules" if _by_weak_modules(root) else ""
+        return f"weak-updates from {source}{how} (kABI-compatible)"
     return f"built for {kernel}"
 
 
@@ -201,9 +207,19 @@ def _stage_weak_tree(source: Path, manifest: dict[str, Any], dest: Path, running
         raise
 
 
+def _by_weak_modules(root: HostRoot) -> bool:
+    """Weak-updates are the host's `weak-modules`' job: modules installed in the system tree
+    (kvcd.toml module_tree = "system") on a host that has it (RHEL)."""
+    return root.system_tree and kmod.weak_modules_command() is not None
+
+
 def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, source: Path) -> str:
-    """Make the (checked) modules of `source` loadable on the next kernel through weak-updates.
-    Returns the ready reason; raises KmodError/OSError after undoing what it wrote."""
+    """Make the (checked) modules of `source` loadable on the next kernel through weak-updates:
+    kvcd's own ``weak-updates/<instance>`` link and depmod, or in the system tree of a host with
+    `weak-modules`, `weak-modules --add-modules` with the installed files (it links and runs
+    depmod itself). Either way the files are also staged as the store tree for the next kernel,
+    which its first start installs without a build. Returns the ready reason; raises
+    KmodError/OSError after undoing what it wrote."""
     assert nb.kernel is not None
     kernel = nb.kernel
     manifest = read_manifest(source) or {}
@@ -211,13 +227,24 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
     _stage_weak_tree(source, manifest, dest, running)
     try:
         kmod.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
-        kmod.link_weak_updates(root, kernel, cfg.name, dest)
-        kmod.depmod(root, kernel)
+        if not _by_weak_modules(root):
+            kmod.link_weak_updates(root, kernel, cfg.name, dest)
+            kmod.depmod(root, kernel)
+            return f"weak-updates from {running} (kABI-compatible)"
+        installed = kmod.installed_modules(root.kernel_dir(running) / "extra" / cfg.name)
+        kmod.weak_modules(installed, add=True)
+        missing = kmod.weak_modules_missing(root, running, kernel, cfg.name)
+        if missing:
+            raise kmod.KmodError(
+                f"weak-modules did not link {', '.join(missing)} into {kernel}'s weak-updates"
+            )
+        if not _dep_lists(root, kernel, cfg.name):
+            raise kmod.KmodError(f"weak-modules linked {cfg.name} but did not index {kernel}")
+        return f"weak-updates from {running} by weak-modules (kABI-compatible)"
     except BaseException:
         kmod.unlink_weak_updates(root, kernel, cfg.name)
         shutil.rmtree(dest, ignore_errors=True)
         raise
-    return f"weak-updates from {running} (kABI-compatible)"
 
 
 def build_ahead(
@@ -520,7 +547,7 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
-        if outcome != previous:
+        if previous is None or (outcome.kernel, outcome.state) != (previous.kernel, previous.state):
             if outcome.state == READY:
                 log.info(
                     "next kernel %s: ready (%s)",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvcd.config.model import InstanceConfig, tag_safe
+from kvcd.config.model import ConfigError, InstanceConfig, Settings, tag_safe
 from kvcd.core.types import Desired, ModState, Observed
-from kvcd.host import files, kmod
+from kvcd.host import files, kmod, rpmostree
 from kvcd.host.paths import HostRoot
 
 MANIFEST = ".kvcd-manifest.json"
@@ -26,6 +27,20 @@ def desired_for(cfg: InstanceConfig, kernel: str) -> Desired:
         hooks=cfg.kvc_lib is not None,
         keep_images=cfg.keep_images,
     )
+
+
+def host_for(root: HostRoot, settings: Settings) -> HostRoot:
+    """`root` with the module tree kvcd.toml asks for (``module_tree``); "system" is refused on
+    an rpm-ostree host, whose /usr/lib/modules is read-only."""
+    system = settings.module_tree == "system"
+    if system and rpmostree.is_ostree_host(root):
+        raise ConfigError(
+            root.main_config,
+            'module_tree = "system": this is an rpm-ostree host '
+            f"({rpmostree.BOOTED_MARKER} exists) and its /usr/lib/modules is read-only; "
+            'use module_tree = "kvcd"',
+        )
+    return replace(root, system_tree=system)
 
 
 def store_dir(root: HostRoot, instance: str, version: str, kernel: str) -> Path:

@@ -29,6 +29,7 @@ from kvcd.core.state import Backoff, StepFailed
 from kvcd.daemon import control, extensions
 from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
+from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
@@ -132,6 +133,7 @@ class Service:
         self.config_invalid = False
         try:
             settings = load_settings(self.root)
+            root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
         except ConfigError as exc:
             self.config_invalid = True
@@ -139,6 +141,16 @@ class Service:
             log.error("%s", reason, extra={**self.fields, "KVCD_STATE": state.DEGRADED})
             record_failure(self.root, self.name, self.kernel, reason, os.getpid())
             return None
+        if self.ctx is None:  # the module tree is chosen once, at start
+            self.root = root
+        elif settings.module_tree != self.ctx.settings.module_tree:  # once, on the reload
+            log.warning(
+                "module_tree = %r in %s takes effect when kvcd@%s restarts",
+                settings.module_tree,
+                self.root.main_config,
+                self.name,
+                extra=self.fields,
+            )
         return Instance(
             self.root,
             settings,

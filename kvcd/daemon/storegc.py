@@ -97,7 +97,8 @@ def collect(
             with suppress(OSError):  # the version directory, when that was its last kernel
                 path.parent.rmdir()
             removed.append(f"{path} (kernel {tree.kernel} not installed)")
-        kernels = _kernel_trees(root)
+        # kvcd's own module root only: the system tree's /lib/modules/<k> is the system's.
+        kernels = [] if root.system_tree else _kernel_trees(root)
         linked = {k for k in kernels if _instance_links(root.kernel_dir(k))}
         for kernel in storegc.stale_kernel_trees(kernels, installed=installed, linked=linked):
             with kmod.tree_lock(root):

@@ -41,6 +41,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -189,8 +190,9 @@ def tree_lock(root: HostRoot) -> Iterator[None]:
 
     depmod writes fixed ``<index>.tmp`` names, so two depmods on one tree must not overlap.
     """
-    root.module_root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root.module_root / ".kvcd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = root.module_lock
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -233,6 +235,13 @@ def prepare_kernel_tree(root: HostRoot, kernel: str, *, system: Path | None = No
     running system, e.g. in a staged rpm-ostree deployment that has not booted yet.
     """
     _check_name("kernel version", kernel)
+    if root.system_tree:  # the system's own directory: nothing to mirror
+        tree = root.kernel_dir(kernel)
+        if not tree.is_dir():
+            raise KernelTreeMissing(kernel, tree)
+        with _writable(tree / "extra"):
+            (tree / "extra").mkdir(exist_ok=True)
+        return tree
     system = system if system is not None else root.system_modules(kernel)
     if not system.is_dir():
         raise KernelTreeMissing(kernel, system)
@@ -301,16 +310,19 @@ def _extra_link(root: HostRoot, kernel: str, instance: str) -> Path:
 
 
 def active_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
-    """The store directory the instance's ``extra/`` link points at, or None when inactive."""
+    """The store directory the instance's ``extra/`` link points at (in the system tree: the
+    one its installed copy came from), or None when inactive."""
     link = _extra_link(root, kernel, instance)
     try:
         return Path(os.readlink(link))
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno == errno.EINVAL:  # exists but is not a symlink: not ours
-            raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
-        raise
+        if exc.errno != errno.EINVAL:
+            raise
+        if root.system_tree and link.is_dir():
+            return _installed_from(link)
+        raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
 
 
 def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Path | None:
@@ -331,9 +343,15 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
         )
     with tree_lock(root):  # no depmod may see the tmp link of the switch
         previous = active_store(root, kernel, instance)
-        if previous != target:
+        if previous == target:
+            return previous
+        if root.system_tree:
+            _install(link, target)
+        else:
             _replace_symlink(link, target)
-            log.info("%s: kernel %s modules from %s (was %s)", instance, kernel, target, previous)
+        log.info("%s: kernel %s modules from %s (was %s)", instance, kernel, target, previous)
+    if root.system_tree:
+        _tell_weak_modules(installed_modules(link), add=True)
     return previous
 
 
@@ -344,10 +362,107 @@ def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
         return None
     with tree_lock(root):
         previous = active_store(root, kernel, instance)
-        if previous is not None:
+        if previous is None:
+            return None
+        removed = installed_modules(link)
+        if link.is_symlink():
             link.unlink()
-            log.info("%s: kernel %s modules deactivated (were %s)", instance, kernel, previous)
+        else:  # an installed copy in the system tree
+            _remove_installed(link)
+        log.info("%s: kernel %s modules deactivated (were %s)", instance, kernel, previous)
+    if removed:
+        _tell_weak_modules(removed, add=False)
     return previous
+
+
+# --- the system tree (kvcd.toml module_tree = "system") ----------------------------------------
+#
+# There the instance's modules are installed as files into /lib/modules/<k>/extra/<instance>/,
+# the way a kmod package installs them: RHEL's weak-modules finds modules with `find` in each
+# kernel's extra/ and follows no directory symlink. ``extra/<instance>/.kvcd-store`` names the
+# store tree the copy came from (what :func:`active_store` answers). A switch stages the new copy
+# beside the old one (``extra/.<instance>.new.<pid>``) and renames it into place once the old
+# one is renamed aside: the name is missing only between two renames, when none of the
+# instance's modules is loaded (the executor unloads before it switches). After every install
+# and removal, `weak-modules --add-modules` / `--remove-modules` is told the files, as a kmod
+# package's scriptlets do, so the other installed kernels' weak-updates follow.
+
+STORE_MARKER = ".kvcd-store"
+MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.gz", ".ko.zst")
+
+
+@contextmanager
+def _writable(path: Path) -> Iterator[None]:
+    """Turn a read-only /lib/modules into an error that says what to do about it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise KmodError(
+            f'cannot write {path}: {exc.strerror} (module_tree = "system" needs a writable '
+            "/lib/modules: kvcd@.service has ProtectSystem=full, so add a drop-in with "
+            'ReadWritePaths=/usr/lib/modules; on rpm-ostree hosts use module_tree = "kvcd")'
+        ) from exc
+
+
+def _installed_from(directory: Path) -> Path:
+    try:
+        text = (directory / STORE_MARKER).read_text().strip()
+    except FileNotFoundError:
+        raise KmodError(
+            f"{directory} was not installed by kvcd (no {STORE_MARKER}); kvcd does not touch it"
+        ) from None
+    return Path(text)
+
+
+def installed_modules(directory: Path) -> list[Path]:
+    """The module files of an installed copy (none for a link into kvcd's store)."""
+    if directory.is_symlink() or not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob("*") if p.name.endswith(MODULE_SUFFIXES))
+
+
+def _install(link: Path, store_dir: Path) -> None:
+    stage = link.with_name(f".{link.name}.new.{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        with _writable(link.parent):
+            stage.mkdir()
+            for src in sorted(store_dir.rglob("*")):
+                if src.name.endswith(MODULE_SUFFIXES) and src.is_file():
+                    dst = stage / src.relative_to(store_dir)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, dst)
+            (stage / STORE_MARKER).write_text(f"{store_dir}\n")
+            if link.is_symlink():
+                link.unlink()
+            elif link.exists():
+                _remove_installed(link)
+            os.rename(stage, link)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _remove_installed(directory: Path) -> None:
+    aside = directory.with_name(f".{directory.name}.old.{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    with _writable(directory.parent):
+        os.rename(directory, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _tell_weak_modules(modules: Sequence[Path], *, add: bool) -> None:
+    """weak-modules after an install or removal in the system tree, when the host has it. Its
+    failure leaves the running kernel's modules right: it is logged, and the next-kernel
+    preparation checks the other kernel for itself."""
+    if not modules or weak_modules_command() is None:
+        return
+    try:
+        weak_modules(modules, add=add)
+    except KmodError as exc:
+        log.warning("%s", exc)
 
 
 # --- weak-updates ---------------------------------------------------------------------------
@@ -376,9 +491,11 @@ def weak_updates_store(root: HostRoot, kernel: str, instance: str) -> Path | Non
     except FileNotFoundError:
         return None
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
-        raise
+        if exc.errno != errno.EINVAL:
+            raise
+        if root.system_tree and link.is_dir():  # weak-modules' own links, file by file
+            return None
+        raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
 
 
 def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Path | None:
@@ -419,6 +536,25 @@ def unlink_weak_updates(root: HostRoot, kernel: str, instance: str) -> Path | No
             link.unlink()
             log.info("%s: kernel %s weak-updates removed (were %s)", instance, kernel, previous)
     return previous
+
+
+def weak_modules_missing(root: HostRoot, source: str, kernel: str, instance: str) -> list[str]:
+    """What `weak-modules` has not linked: the instance's modules installed in the system tree
+    for kernel `source` that are not in `kernel`'s ``weak-updates/<instance>/`` as links to
+    them (relative paths; empty: all there). weak-modules links
+    /lib/modules/A/extra/<path> as /lib/modules/B/weak-updates/<path>."""
+    installed = _extra_link(root, source, instance)
+    modules = installed_modules(installed)
+    if not modules:
+        return [f"no modules installed in {installed}"]
+    weak = _weak_link(root, kernel, instance)
+    missing = []
+    for path in modules:
+        rel = path.relative_to(installed)
+        link = weak / rel
+        if not link.is_symlink() or os.path.realpath(link) != os.path.realpath(path):
+            missing.append(str(rel))
+    return missing
 
 
 def weak_modules_command() -> str | None:
@@ -523,6 +659,9 @@ def _depmod_config(root: HostRoot) -> list[Path]:
     wins, so 00-kvcd.conf puts extra/ (instance modules) before updates/ before the rest.
     Measured with kmod 30 (tests/integration/test_kmod.py pins it).
     """
+    system = [root(d) for d in SYSTEM_DEPMOD_DIRS]
+    if root.system_tree:  # the system's own tree keeps the system's own search order
+        return [d for d in system if d.is_dir()]
     conf = depmod_conf(root)
     try:
         current = conf.read_bytes()
@@ -535,7 +674,6 @@ def _depmod_config(root: HostRoot) -> list[Path]:
         tmp.write_text(DEPMOD_CONF)
         os.chmod(tmp, DEPMOD_CONF_MODE)
         os.replace(tmp, conf)
-    system = [root(d) for d in SYSTEM_DEPMOD_DIRS]
     return [conf, *(d for d in system if d.is_dir())]
 
 

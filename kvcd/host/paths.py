@@ -13,6 +13,9 @@ from pathlib import Path
 @dataclass(frozen=True)
 class HostRoot:
     root: Path = Path("/")
+    system_tree: bool = False
+    """kvcd.toml ``module_tree = "system"``: instance modules are installed into the system's
+    own /lib/modules (the module root is the root itself) instead of kvcd's module root."""
 
     def __call__(self, absolute: str) -> Path:
         """Map an absolute host path into the root."""
@@ -55,8 +58,14 @@ class HostRoot:
 
     @property
     def module_root(self) -> Path:
-        """The base directory handed to `depmod -b` and `modprobe -d`."""
-        return self.state / "modules"
+        """The base directory handed to `depmod -b` and `modprobe -d`: kvcd's own tree, or
+        with `system_tree` the root itself (its /lib/modules)."""
+        return self.root if self.system_tree else self.state / "modules"
+
+    @property
+    def module_lock(self) -> Path:
+        """The lock every writer of the module tree holds (beside kvcd's own tree either way)."""
+        return self.state / "modules" / ".kvcd.lock"
 
     @property
     def kernel_dirs(self) -> Path:

@@ -8,6 +8,7 @@ tests/integration/test_fswatch.py) and no udev (events are injected through the 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -472,6 +473,107 @@ def test_mutation_table(
     assert hits, v.reason
     assert f"{hits[0].path}: {what}" in v.reason
     assert "module bytes" not in v.reason and "evil" not in v.reason.replace("20-evil", "")
+
+
+# --- the system tree (kvcd.toml module_tree = "system") --------------------------------------
+# The instance's files are a copy in /lib/modules/<k>/extra/<instance>/, named by .kvcd-store.
+
+
+@pytest.fixture
+def system_host(host: HostRoot) -> HostRoot:
+    return dataclasses.replace(host, system_tree=True)
+
+
+def _installed(r: Rig) -> Path:
+    return r.root.kernel_dir(K) / "extra" / NAME
+
+
+def _marker_outside(r: Rig) -> None:
+    elsewhere = r.root("/tmp/elsewhere")
+    shutil.copytree(r.tree, elsewhere)
+    (_installed(r) / kmod.STORE_MARKER).write_text(f"{elsewhere}\n")
+
+
+SYSTEM_MUTATIONS: list[Any] = [
+    pytest.param(
+        lambda r: (_installed(r) / "kvcd_base.ko").write_bytes(b"patched"),
+        (core.CONTENT, f"extra/{NAME}/kvcd_base.ko"),
+        id="installed-content",
+    ),
+    pytest.param(
+        lambda r: (_installed(r) / "kvcd_user.ko").unlink(),
+        (core.MISSING, f"extra/{NAME}/kvcd_user.ko"),
+        id="installed-deleted",
+    ),
+    pytest.param(
+        lambda r: (_installed(r) / "kvcd_user.ko").chmod(0o666),
+        (core.MODE, f"extra/{NAME}/kvcd_user.ko"),
+        id="installed-chmod",
+    ),
+    pytest.param(
+        lambda r: (_installed(r) / "rogue.ko").write_bytes(b"x"),
+        (core.UNEXPECTED, f"extra/{NAME}/rogue.ko"),
+        id="installed-unexpected-module",
+    ),
+    pytest.param(
+        lambda r: os.utime(_installed(r) / "kvcd_base.ko", (1, 1)), None, id="installed-touch"
+    ),
+    pytest.param(
+        lambda r: (_installed(r) / kmod.STORE_MARKER).unlink(),
+        (core.MISSING, kmod.STORE_MARKER),
+        id="marker-deleted",
+    ),
+    pytest.param(_marker_outside, (core.CONTENT, kmod.STORE_MARKER), id="marker-elsewhere"),
+    pytest.param(
+        lambda r: shutil.rmtree(_installed(r)),
+        (core.MISSING, kmod.STORE_MARKER),
+        id="installed-copy-removed",
+    ),
+    pytest.param(
+        lambda r: (r.tree / "kvcd_base.ko").write_bytes(b"patched"),
+        (core.CONTENT, f"{NAME}/1.0/{K}/kvcd_base.ko"),
+        id="store-content",
+    ),
+    pytest.param(
+        lambda r: (r.kdir / "modules.dep").write_text("extra/e2e/kvcd_base.ko: evil.ko\n"),
+        (core.CONTENT, "modules.dep"),
+        id="modules.dep-edited",
+    ),
+    pytest.param(_other_instance_depmod, None, id="another-package-ran-depmod"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "expect"), SYSTEM_MUTATIONS)
+def test_system_tree_mutation_table(
+    system_host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    r = Rig(system_host)
+    assert _installed(r).is_dir() and not _installed(r).is_symlink()
+    assert not kmod.depmod_conf(system_host).exists()  # the system's own search order
+    assert r.verdict() is None  # baseline: clean
+    mutate(r)
+    v = r.verdict()
+    if expect is None:
+        assert v is None, v
+        return
+    what, suffix = expect
+    assert v is not None and v.verb == HOLD and v.state == state.DEGRADED, v
+    hits = [d for d in r.mon.validate(r.ctx) if d.what == what and d.path.endswith(suffix)]
+    assert hits, v.reason
+    assert f"{hits[0].path}: {what}" in v.reason
+
+
+def test_system_tree_force_file_drops_the_copy_and_its_tree(system_host: HostRoot) -> None:
+    r = Rig(system_host)
+    (_installed(r) / "kvcd_base.ko").write_bytes(b"drifted")
+    assert r.verdict() is not None
+    system_host.force_file(NAME).write_text("")
+    assert r.verdict() is None
+    assert not _installed(r).exists() and not r.tree.exists()
+    store(system_host, "1.0", MODS)  # what the plan's Extract writes again
+    r.mon.after(r.ctx, r.inst.apply("load"))
+    assert (_installed(r) / kmod.STORE_MARKER).read_text() == f"{r.tree}\n"
+    assert r.verdict() is None
 
 
 def test_other_instance_depmod_updates_the_node_record(host: HostRoot) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import lzma
 import os
 import shlex
@@ -554,3 +555,23 @@ def test_modinfo_of_zstd_modules_failure(tmp_path: Path, fake_commands: FakeComm
     )
     with pytest.raises(kmod.ModinfoError, match=r"a\.ko\.zst: modinfo: ERROR"):
         kmod.modinfo(tmp_path / "a.ko.zst")
+
+
+def test_read_only_system_tree_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """module_tree = "system" under ProtectSystem=full (or any read-only /usr): the error names
+    the directory and the drop-in that fixes it."""
+    root = HostRoot(tmp_path, system_tree=True)
+    (root.system_modules("6.1.0-56-amd64") / "kernel").mkdir(parents=True)
+
+    def read_only(self: Path, *a: object, **k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(kmod.KmodError) as exc:
+        kmod.prepare_kernel_tree(root, "6.1.0-56-amd64")
+    assert str(exc.value).startswith(
+        f"cannot write {root.system_modules('6.1.0-56-amd64') / 'extra'}: Read-only file system"
+    )
+    assert "ReadWritePaths=/usr/lib/modules" in str(exc.value)

@@ -7,6 +7,7 @@ verdict is a row of the table, so every branch of the decision is reachable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -638,3 +639,21 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     ext.after(ctx, rec)
     assert not prepared.exists() and not host.kernel_dir(B).exists()
     assert rec.next_kernel == ""
+
+
+def test_clean_up_in_the_system_tree_never_removes_a_lib_modules_directory(
+    host: HostRoot,
+) -> None:
+    """module_tree = "system": a kernel's /lib/modules/<k> is the system's, even when its
+    package is gone (it may hold other packages' files); only kvcd's own copy there goes."""
+    system = dataclasses.replace(host, system_tree=True)
+    running_extraction(host)
+    gone = fakehost.store_version(host, NAME, "1.0", C, ["kvcd_base"])
+    (host.system_modules(C) / "extra").mkdir(parents=True)  # no modules.builtin: not installed
+    (host.system_modules(C) / "extra" / "dkms-leftover.ko").write_bytes(b"x")
+    kmod.activate(system, C, NAME, gone)
+    assert (host.system_modules(C) / "extra" / NAME / ".kvcd-store").is_file()
+    removed = storegc.collect(system, config(host), A, None)
+    assert removed == [f"{gone} (kernel {C} not installed)"]
+    assert not (host.system_modules(C) / "extra" / NAME).exists()
+    assert (host.system_modules(C) / "extra" / "dkms-leftover.ko").is_file()

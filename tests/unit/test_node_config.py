@@ -18,6 +18,8 @@ BASE = 'version = "1.0"\nmodules = ["m"]\nimage = "quay.io/x:{kernel}"\n'
         ('kubeconfig = "/etc/kvcd/kubeconfig"\n', "kubeconfig", "/etc/kvcd/kubeconfig"),
         ('drain = "cluster"\n', "drain", "cluster"),
         ("drain_timeout = 90\n", "drain_timeout", 90.0),
+        ('module_tree = "system"\n', "module_tree", "system"),
+        ("", "module_tree", "kvcd"),
     ],
 )
 def test_settings_keys(text: str, field: str, value: object) -> None:
@@ -45,6 +47,7 @@ def test_settings_defaults() -> None:
         ("drain_timeout = 0\n", ":1: 'drain_timeout' must be a number of seconds"),
         ("drain_timeout = true\n", ":1: 'drain_timeout' must be a number of seconds"),
         ("drain_timout = 5\n", "unknown key 'drain_timout' in [top level] (did you mean "),
+        ('\n\nmodule_tree = "lib"\n', ":3: 'module_tree' must be one of 'kvcd', 'system'"),
     ],
 )
 def test_settings_errors_name_file_line_key(text: str, message: str) -> None:

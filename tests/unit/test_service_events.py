@@ -8,6 +8,7 @@ sd_notify socket.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -396,3 +397,39 @@ def test_reload_exit_code_by_answer(
         signal.signal(signal.SIGHUP, old)
     got = capsys.readouterr()
     assert got.out.strip() == out and got.err.strip() == err
+
+
+# --- kvcd.toml module_tree: chosen once, at start --------------------------------------------
+
+
+def test_module_tree_system_installs_into_lib_modules(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    use(monkeypatch)
+    fakehost.write(host.main_config, 'module_tree = "system"\n')
+    svc, _n = service(host)
+    rec = svc.reconcile([Event("start", retry=True)])
+    assert rec is not None and rec.state == state.DONE
+    copy = host.system_modules(K) / "extra" / "e2e"
+    assert (copy / ".kvcd-store").is_file() and not copy.is_symlink()
+    assert not (host.state / "modules" / "lib").exists()  # kvcd's own tree is not used
+    # A reload that switches back only says when it takes effect; the tree stays.
+    fakehost.write(host.main_config, 'module_tree = "kvcd"\n')
+    caplog.set_level(logging.WARNING)
+    assert svc.reconcile([Event("signal", retry=True)]) is not None
+    assert svc.root.system_tree
+    assert (
+        "module_tree = 'kvcd' in" in caplog.text
+        and "takes effect when kvcd@e2e restarts" in caplog.text
+    )
+
+
+def test_module_tree_system_is_refused_on_rpm_ostree(host: HostRoot) -> None:
+    fakehost.write(host.main_config, 'module_tree = "system"\n')
+    fakehost.write(host("/run/ostree-booted"), "")
+    svc, _n = service(host)
+    assert svc.reconcile([Event("start", retry=True)]) is None
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == state.DEGRADED
+    assert rec.reason.startswith(f'ConfigInvalid: {host.main_config}: module_tree = "system"')
+    assert "rpm-ostree host" in rec.reason
