@@ -28,9 +28,14 @@ rolling back is switching back to the target :func:`activate` returned. Run :fun
 after either. Links are absolute paths (under the HostRoot prefix when there is one).
 
 Beside the tree: ``<module_root>/depmod.d/00-kvcd.conf`` (search order: instance modules win
-over same-named system ones, see :func:`_depmod_config`) and ``<module_root>/.kvcd.lock``
+over same-named system ones, see :func:`_depmod_config`) and ``/var/lib/kvcd/modules/.kvcd.lock``
 (:func:`tree_lock`, held by everything that writes the tree, so all kvcd instances of a host
 take turns).
+
+With kvcd.toml ``module_tree = "system"`` (``HostRoot.system_tree``) the module root is the
+system's own /lib/modules instead: nothing is mirrored, ``extra/<instance>`` is an installed copy
+rather than a link, depmod keeps the system's configuration, and RHEL's weak-modules is told of
+every install and removal (see "the system tree" below).
 """
 
 from __future__ import annotations

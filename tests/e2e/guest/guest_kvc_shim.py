@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 from kvcdguest import (
+    BUILD_TIMEOUT,
     DRIVER_DIR,
     INSTANCE,
+    MODS,
     containerfile,
     kvcd_status,
     module_version,
@@ -32,9 +34,7 @@ from kvcdguest import (
 
 KVC = "kmods-via-containers"
 KVC_NAME = "e2e-kvc"
-MODS = ("kvcd_base", "kvcd_user")
 KVC_UNIT = f"kmods-via-containers@{KVC_NAME}.service"
-BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 
 
 def kver() -> str:

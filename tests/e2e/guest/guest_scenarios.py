@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 from kvcdguest import (
+    BUILD_TIMEOUT,
     DRIVER_DIR,
     INSTANCE,
+    MODS,
     PAYLOAD,
+    UNIT,
     containerfile,
     image_ids,
     module_version,
@@ -33,9 +36,6 @@ from kvcdguest import (
     wait_for,
 )
 
-UNIT = f"kvcd@{INSTANCE}.service"
-MODS = ("kvcd_base", "kvcd_user")
-BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 # Steps that build from host-compiled modules (Containerfile.prebuilt) take ~20 s under TCG.
 STEP_TIMEOUT = float(os.environ.get("KVCD_E2E_STEP_TIMEOUT", "300"))
 TIMINGS: dict[str, float] = {}

@@ -19,6 +19,10 @@ RESULTS = Path(os.environ.get("KVCD_E2E_RESULTS", "/mnt/e2e/results"))
 DRIVER_DIR = Path("/var/lib/kvcd-e2e/driver")
 INSTANCE = "e2e-kmod"
 INSTANCE_FILE = Path("/etc/kvcd/instances/e2e-kmod.toml")
+UNIT = f"kvcd@{INSTANCE}.service"
+MODS = ("kvcd_base", "kvcd_user")  # the e2e driver's modules, in load order
+# Seconds a start that builds in the guest may take.
+BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 BASE_IMAGE = "localhost/kvcd-e2e-base:latest"
 PODMAN_SOCK = "unix:///run/podman/podman.sock"
 

@@ -27,9 +27,12 @@ from pathlib import Path
 
 import pytest
 from kvcdguest import (
+    BUILD_TIMEOUT,
     INSTANCE,
+    MODS,
     PAYLOAD,
     STATE_DIR,
+    UNIT,
     containerfile,
     image_ids,
     kvcd_status,
@@ -43,9 +46,6 @@ from kvcdguest import (
     wait_for,
 )
 
-UNIT = f"kvcd@{INSTANCE}.service"
-MODS = ("kvcd_base", "kvcd_user")
-BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 KVER1 = (PAYLOAD / "kver").read_text().strip()
 KVER2 = (PAYLOAD / "kver2").read_text().strip() if (PAYLOAD / "kver2").exists() else ""
 SAVED = STATE_DIR / "nextkernel.json"  # what boot 1 leaves for boot 2

@@ -26,9 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvcdguest import DRIVER_DIR, proc_modules, sh, wait_for
+from kvcdguest import (
+    BUILD_TIMEOUT,
+    DRIVER_DIR,
+    proc_modules,
+    sh,
+    wait_for,
+)
 
-BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 INSTANCES = Path("/etc/kvcd/instances")
 DUMMY_CTX = Path("/var/lib/kvcd-e2e/dummy")
 KVER = os.uname().release

@@ -26,6 +26,8 @@ import pytest
 from kvcdguest import (
     INSTANCE,
     INSTANCE_FILE,
+    MODS,
+    UNIT,
     kvcd_status,
     proc_modules,
     record_timing,
@@ -34,8 +36,6 @@ from kvcdguest import (
     wait_for,
 )
 
-UNIT = f"kvcd@{INSTANCE}.service"
-MODS = ("kvcd_base", "kvcd_user")
 MODULE_ROOT = Path("/var/lib/kvcd/modules")
 FORCE = Path(f"/run/kvcd/{INSTANCE}.force")
 MSG_DRIFT = "252f3e49f0504b239c3a547f9c1f06d9"

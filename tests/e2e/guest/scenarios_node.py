@@ -26,7 +26,9 @@ from typing import Any
 
 import pytest
 from kvcdguest import (
+    BUILD_TIMEOUT,
     DRIVER_DIR,
+    MODS,
     containerfile,
     diagnose,
     kvcd_status,
@@ -42,8 +44,6 @@ UNIT = f"kvcd@{NAME}.service"
 CONF = Path(f"/etc/kvcd/instances/{NAME}.toml")
 NODE = Path("/var/lib/kvcd/node.json")
 LABEL = f"kvcd.io/version.{NAME}"
-MODS = ("kvcd_base", "kvcd_user")
-BUILD_TIMEOUT = float(os.environ.get("KVCD_E2E_BUILD_TIMEOUT", "1200"))
 
 
 def write_instance(version: str, modules: tuple[str, ...] = MODS, drain: str = "none") -> None:
