@@ -459,7 +459,12 @@ MUTATIONS: list[Any] = [
 def test_mutation_table(
     host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
 ) -> None:
-    r = Rig(host)
+    check_mutation(Rig(host), mutate, expect)
+
+
+def check_mutation(r: Rig, mutate: Callable[[Rig], object], expect: tuple[str, str] | None) -> None:
+    """Clean at first; after `mutate`, Degraded with a Drift reason naming `expect` (what,
+    path suffix) and no file contents, or still clean when `expect` is None."""
     assert r.verdict() is None  # baseline: clean
     mutate(r)
     v = r.verdict()
@@ -550,17 +555,7 @@ def test_system_tree_mutation_table(
     r = Rig(system_host)
     assert _installed(r).is_dir() and not _installed(r).is_symlink()
     assert not kmod.depmod_conf(system_host).exists()  # the system's own search order
-    assert r.verdict() is None  # baseline: clean
-    mutate(r)
-    v = r.verdict()
-    if expect is None:
-        assert v is None, v
-        return
-    what, suffix = expect
-    assert v is not None and v.verb == HOLD and v.state == state.DEGRADED, v
-    hits = [d for d in r.mon.validate(r.ctx) if d.what == what and d.path.endswith(suffix)]
-    assert hits, v.reason
-    assert f"{hits[0].path}: {what}" in v.reason
+    check_mutation(r, mutate, expect)
 
 
 def test_system_tree_force_file_drops_the_copy_and_its_tree(system_host: HostRoot) -> None:

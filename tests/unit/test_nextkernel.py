@@ -577,8 +577,7 @@ def test_clean_up_keeps_the_next_kernel_even_before_it_is_installed(host: HostRo
 def test_clean_up_removes_nothing_when_rpm_ostree_cannot_tell(
     host: HostRoot, fake_commands: Any
 ) -> None:
-    host("/run/ostree-booted").parent.mkdir(parents=True, exist_ok=True)
-    host("/run/ostree-booted").write_text("")
+    fakehost.write(host("/run/ostree-booted"), "")
     fake_commands.add("rpm-ostree", "echo 'error: Connection refused' >&2; exit 1\n")
     tree = prepared_weak(host, C)
     assert storegc.installed_kernels(host) is None
@@ -589,8 +588,7 @@ def test_clean_up_removes_nothing_when_rpm_ostree_cannot_tell(
 def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
     host: HostRoot, fake_commands: Any
 ) -> None:
-    host("/run/ostree-booted").parent.mkdir(parents=True, exist_ok=True)
-    host("/run/ostree-booted").write_text("")
+    fakehost.write(host("/run/ostree-booted"), "")
     status_json = json.dumps(
         {
             "deployments": [
