@@ -223,6 +223,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.config.loader import load_instance, load_settings
     from kvcd.config.model import ConfigError
+    from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
     from kvcd.daemon.record import running_kernel
 
@@ -256,8 +257,14 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
                 print(f"  {name}: NO PLAN: {inst.no_variant}")
                 bad += 1
                 continue
+            try:
+                planned = inst.plan("load")
+            except StepFailed as exc:
+                print(f"  {name}: NO PLAN: {exc}")
+                bad += 1
+                continue
             print(f"  plan for {kernel}:")
-            for line in inst.plan("load").describe():
+            for line in planned.describe():
                 print(f"    {line}")
     return EXIT_USAGE if bad else EXIT_OK
 

@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 SOURCE = "drift"
 # Inputs kvcd copies into the kernel directory (kmod._COPIED); not depmod's output.
 COPIED_INPUTS = frozenset({"modules.builtin", "modules.builtin.modinfo", "modules.order"})
-MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.zst", ".ko.gz")
+MODULE_SUFFIXES = kmod.MODULE_SUFFIXES
 DEBOUNCE_SECONDS = 0.05
 _CHUNK = 1 << 20
 
@@ -744,11 +744,17 @@ class DriftMonitor(Extension):
             drop = {store_dir(ctx.root, ctx.name, self.cfg.version, ctx.kernel)}
             if link.is_symlink():
                 drop.add(Path(os.path.normpath(os.path.join(link.parent, os.readlink(link)))))
-            elif link.is_dir():  # the system tree's installed copy, or not kvcd's at all
-                with contextlib.suppress(kmod.KmodError):
-                    active = kmod.active_store(ctx.root, ctx.kernel, ctx.name)
-                    if active is not None:
-                        drop.add(active)
+            elif link.is_dir() and ctx.root.system_tree:
+                # The installed copy goes the way every removal does (weak-modules is told); a
+                # directory in /lib/modules that kvcd did not install is never touched.
+                try:
+                    active = kmod.deactivate(ctx.root, ctx.kernel, ctx.name)
+                except kmod.KmodError as exc:
+                    log.warning("drift: force file: %s", exc, extra=ctx.fields)
+                    active = None
+                if active is not None:
+                    drop.add(active)
+            elif link.is_dir():  # in kvcd's own module root: kvcd's to replace
                 shutil.rmtree(link)
             elif link.exists():
                 link.unlink()

@@ -264,7 +264,7 @@ class Executor:
             previous = kmod.activate(self.root, a.kernel, self.cfg.name, target)
         except (kmod.KernelTreeMissing, kmod.StoreMissing) as exc:
             raise StepFailed(state.KERNEL_TREE_MISSING, str(exc)) from exc
-        except kmod.KmodError as exc:
+        except (kmod.KmodError, OSError) as exc:  # e.g. ENOSPC copying into /lib/modules
             raise StepFailed(state.INSTALL_FAILED, str(exc)) from exc
         if not attempt.activated:
             attempt.previous_store = previous

@@ -114,10 +114,7 @@ def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None
     if manifest is None or manifest.get("version") != cfg.version:
         return None
     try:
-        linked = {
-            kmod.active_store(root, kernel, cfg.name),
-            kmod.weak_updates_store(root, kernel, cfg.name),
-        }
+        linked = kmod.linked_stores(root, kernel, cfg.name)
     except kmod.KmodError:
         return None
     source = manifest.get(WEAK_FROM)
@@ -232,7 +229,8 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
             kmod.depmod(root, kernel)
             return f"weak-updates from {running} (kABI-compatible)"
         installed = kmod.installed_modules(root.kernel_dir(running) / "extra" / cfg.name)
-        kmod.weak_modules(installed, add=True)
+        with kmod.tree_lock(root):  # weak-modules runs depmod
+            kmod.weak_modules(installed, add=True)
         missing = kmod.weak_modules_missing(root, running, kernel, cfg.name)
         if missing:
             raise kmod.KmodError(
@@ -547,7 +545,12 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
-        if previous is None or (outcome.kernel, outcome.state) != (previous.kernel, previous.state):
+        # A ready kernel's reason may change wording on a later look; a failure's is news.
+        same = previous is not None and (outcome.kernel, outcome.state) == (
+            previous.kernel,
+            previous.state,
+        )
+        if not same or (outcome.state == FAILED and outcome != previous):
             if outcome.state == READY:
                 log.info(
                     "next kernel %s: ready (%s)",

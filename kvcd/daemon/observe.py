@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcd.config.model import ConfigError, InstanceConfig, Settings, tag_safe
+from kvcd.core import state
+from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
 from kvcd.host import files, kmod, rpmostree
 from kvcd.host.paths import HostRoot
@@ -80,7 +82,10 @@ def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
 
 def observe(root: HostRoot, d: Desired) -> Observed:
     stored = stored_versions(root, d.instance, d.kernel)
-    active_dir = kmod.active_store(root, d.kernel, d.instance)
+    try:
+        active_dir = kmod.active_store(root, d.kernel, d.instance)
+    except kmod.KmodError as exc:  # e.g. a directory kvcd did not install in /lib/modules
+        raise StepFailed(state.INSTALL_FAILED, str(exc)) from exc
     active = None
     if active_dir is not None:
         manifest = read_manifest(active_dir)

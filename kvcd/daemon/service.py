@@ -143,7 +143,10 @@ class Service:
             return None
         if self.ctx is None:  # the module tree is chosen once, at start
             self.root = root
-        elif settings.module_tree != self.ctx.settings.module_tree:  # once, on the reload
+        elif (
+            root.system_tree != self.root.system_tree
+            and settings.module_tree != self.ctx.settings.module_tree
+        ):  # once, on the reload that changed it
             log.warning(
                 "module_tree = %r in %s takes effect when kvcd@%s restarts",
                 settings.module_tree,
@@ -218,7 +221,10 @@ class Service:
     def _verdict(self, events: list[Event]) -> Verdict | None:
         assert self.ctx is not None
         for ext in self.exts:
-            verdict = ext.verdict(self.ctx, events)
+            try:
+                verdict = ext.verdict(self.ctx, events)
+            except StepFailed as exc:  # it read something kvcd cannot act on: say so, hold
+                verdict = Verdict(HOLD, state.DEGRADED, str(exc))
             if verdict is not None:
                 log.debug("%s: %s %s", ext.name, verdict.verb, verdict.reason, extra=self.fields)
                 return verdict

@@ -28,10 +28,12 @@ def installed_kernels(root: HostRoot) -> set[str] | None:
     """Kernels installed on the host: ``/lib/modules/<k>`` with the ``modules.builtin`` every
     kernel package ships (a directory a removed kernel left with stray files does not count),
     and on rpm-ostree hosts every deployment's kernel. None when rpm-ostree cannot be read."""
-    found: set[str] = set()
     base = root("/lib/modules")
-    with suppress(FileNotFoundError, NotADirectoryError):
-        found |= {p.name for p in base.iterdir() if (p / "modules.builtin").is_file()}
+    try:
+        found = {p.name for p in base.iterdir() if (p / "modules.builtin").is_file()}
+    except (FileNotFoundError, NotADirectoryError):
+        log.info("store clean-up skipped: no %s", base)
+        return None
     if rpmostree.is_ostree_host(root):
         try:
             deployments = rpmostree.read_deployments(root)
@@ -44,10 +46,9 @@ def installed_kernels(root: HostRoot) -> set[str] | None:
 
 def _links(root: HostRoot, kernel: str, name: str) -> set[Path]:
     try:
-        found = {kmod.active_store(root, kernel, name), kmod.weak_updates_store(root, kernel, name)}
+        return kmod.linked_stores(root, kernel, name)
     except (kmod.KmodError, ValueError):
         return set()
-    return {Path(os.path.abspath(p)) for p in found if p is not None}
 
 
 def _kernel_trees(root: HostRoot) -> list[str]:
@@ -98,14 +99,16 @@ def collect(
                 path.parent.rmdir()
             removed.append(f"{path} (kernel {tree.kernel} not installed)")
         # kvcd's own module root only: the system tree's /lib/modules/<k> is the system's.
-        kernels = [] if root.system_tree else _kernel_trees(root)
-        linked = {k for k in kernels if _instance_links(root.kernel_dir(k))}
-        for kernel in storegc.stale_kernel_trees(kernels, installed=installed, linked=linked):
-            with kmod.tree_lock(root):
+        with kmod.tree_lock(root):  # no other instance links into a tree while it is judged
+            kernels = [] if root.system_tree else _kernel_trees(root)
+            linked = {k for k in kernels if _instance_links(root.kernel_dir(k))}
+            gone = storegc.stale_kernel_trees(kernels, installed=installed, linked=linked)
+            for kernel in gone:
                 shutil.rmtree(root.kernel_dir(kernel))
+                removed.append(f"{root.kernel_dir(kernel)} (kernel {kernel} not installed)")
+        for kernel in {*gone, *(t.kernel for t in trees)} - installed:  # drift's index record
             with suppress(FileNotFoundError):
                 drift.depmod_record_path(root, kernel).unlink()
-            removed.append(f"{root.kernel_dir(kernel)} (kernel {kernel} not installed)")
     for line in removed:
         log.info("store clean-up: removed %s", line, extra=fields)
     return removed

@@ -2,7 +2,8 @@
 
 This room may touch: the module root (``root.module_root``, kvcd's own tree that `depmod -b` and
 `modprobe -d` use), the instance stores it links to (read only), the booted kernel's module
-directory (``root.system_modules(k)``, read only), ``root.sys_module`` (read only) and, through
+directory (``root.system_modules(k)``, read only, except that with ``module_tree = "system"`` it
+is the module root: see the end of this docstring), ``root.sys_module`` (read only) and, through
 :mod:`kvcd.host.kmsg`, the kernel log. Commands run only through :func:`kvcd.host.run.run`.
 
 Layout of the module root for one kernel ``k`` (DESIGN.md "Module root")::
@@ -99,13 +100,11 @@ class KmodError(Exception):
 class KernelTreeMissing(KmodError):
     """The booted kernel's module directory, which the module root mirrors, does not exist."""
 
-    def __init__(self, kernel: str, path: Path) -> None:
+    def __init__(self, kernel: str, path: Path, *, mirrored: bool = True) -> None:
         self.kernel = kernel
         self.path = path
-        super().__init__(
-            f"no module directory for kernel {kernel} at {path}: "
-            "the module root mirrors it so in-tree dependencies resolve"
-        )
+        why = ": the module root mirrors it so in-tree dependencies resolve" if mirrored else ""
+        super().__init__(f"no module directory for kernel {kernel} at {path}{why}")
 
 
 class StoreMissing(KmodError):
@@ -243,7 +242,7 @@ def prepare_kernel_tree(root: HostRoot, kernel: str, *, system: Path | None = No
     if root.system_tree:  # the system's own directory: nothing to mirror
         tree = root.kernel_dir(kernel)
         if not tree.is_dir():
-            raise KernelTreeMissing(kernel, tree)
+            raise KernelTreeMissing(kernel, tree, mirrored=False)
         with _writable(tree / "extra"):
             (tree / "extra").mkdir(exist_ok=True)
         return tree
@@ -351,12 +350,14 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
         if previous == target:
             return previous
         if root.system_tree:
-            _install(link, target)
+            before = installed_modules(link)
+            _install(root, kernel, link, target)
+            after = installed_modules(link)
+            _tell_weak_modules([p for p in before if p not in after], add=False)
+            _tell_weak_modules(after, add=True)
         else:
             _replace_symlink(link, target)
         log.info("%s: kernel %s modules from %s (was %s)", instance, kernel, target, previous)
-    if root.system_tree:
-        _tell_weak_modules(installed_modules(link), add=True)
     return previous
 
 
@@ -369,14 +370,13 @@ def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
         previous = active_store(root, kernel, instance)
         if previous is None:
             return None
-        removed = installed_modules(link)
         if link.is_symlink():
             link.unlink()
         else:  # an installed copy in the system tree
-            _remove_installed(link)
+            removed = installed_modules(link)
+            _remove_installed(root, kernel, link)
+            _tell_weak_modules(removed, add=False)
         log.info("%s: kernel %s modules deactivated (were %s)", instance, kernel, previous)
-    if removed:
-        _tell_weak_modules(removed, add=False)
     return previous
 
 
@@ -386,10 +386,14 @@ def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
 # the way a kmod package installs them: RHEL's weak-modules finds modules with `find` in each
 # kernel's extra/ and follows no directory symlink. ``extra/<instance>/.kvcd-store`` names the
 # store tree the copy came from (what :func:`active_store` answers). A switch stages the new copy
-# beside the old one (``extra/.<instance>.new.<pid>``) and renames it into place once the old
-# one is renamed aside: the name is missing only between two renames, when none of the
-# instance's modules is loaded (the executor unloads before it switches). After every install
-# and removal, `weak-modules --add-modules` / `--remove-modules` is told the files, as a kmod
+# in /lib/modules itself (``.kvcd-<kernel>-<instance>.new``: the same file system, but in no
+# kernel's directory, so neither depmod nor weak-modules ever indexes a half-written copy, and a
+# leftover of a killed predecessor is cleared by the next install), renames the old copy aside
+# there and the new one into place: the name is missing only between two renames, when none of
+# the instance's modules is loaded (the executor unloads before it switches); a failed rename
+# puts the old copy back. Files are copied without the store's extended attributes, so they get
+# the labels of /lib/modules. After every install and removal, under the tree lock (it runs
+# depmod), `weak-modules --add-modules` / `--remove-modules` is told the files, as a kmod
 # package's scriptlets do, so the other installed kernels' weak-updates follow.
 
 STORE_MARKER = ".kvcd-store"
@@ -428,40 +432,52 @@ def installed_modules(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.name.endswith(MODULE_SUFFIXES))
 
 
-def _install(link: Path, store_dir: Path) -> None:
-    stage = link.with_name(f".{link.name}.new.{os.getpid()}")
-    shutil.rmtree(stage, ignore_errors=True)
-    try:
-        with _writable(link.parent):
+def _beside(root: HostRoot, kernel: str, link: Path, what: str) -> Path:
+    """kvcd's scratch name for an instance's copy, in /lib/modules outside every kernel."""
+    return root.kernel_dirs / f".kvcd-{kernel}-{link.name}.{what}"
+
+
+def _install(root: HostRoot, kernel: str, link: Path, store_dir: Path) -> None:
+    stage = _beside(root, kernel, link, "new")
+    aside = _beside(root, kernel, link, "old")
+    with _writable(root.kernel_dirs):
+        for leftover in (stage, aside):
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
             stage.mkdir()
             for src in sorted(store_dir.rglob("*")):
                 if src.name.endswith(MODULE_SUFFIXES) and src.is_file():
                     dst = stage / src.relative_to(store_dir)
                     dst.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(src, dst)
+                    shutil.copy(src, dst)  # content and mode; labels from /lib/modules
             (stage / STORE_MARKER).write_text(f"{store_dir}\n")
             if link.is_symlink():
                 link.unlink()
             elif link.exists():
-                _remove_installed(link)
-            os.rename(stage, link)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+                os.rename(link, aside)
+            try:
+                os.rename(stage, link)
+            except BaseException:
+                if aside.exists() and not link.exists():
+                    os.rename(aside, link)
+                raise
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
 
 
-def _remove_installed(directory: Path) -> None:
-    aside = directory.with_name(f".{directory.name}.old.{os.getpid()}")
-    shutil.rmtree(aside, ignore_errors=True)
-    with _writable(directory.parent):
+def _remove_installed(root: HostRoot, kernel: str, directory: Path) -> None:
+    aside = _beside(root, kernel, directory, "old")
+    with _writable(root.kernel_dirs):
+        shutil.rmtree(aside, ignore_errors=True)
         os.rename(directory, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _tell_weak_modules(modules: Sequence[Path], *, add: bool) -> None:
-    """weak-modules after an install or removal in the system tree, when the host has it. Its
-    failure leaves the running kernel's modules right: it is logged, and the next-kernel
-    preparation checks the other kernel for itself."""
+    """weak-modules after an install or removal in the system tree, when the host has it (the
+    caller holds the tree lock). Its failure leaves the running kernel's modules right: it is
+    logged, and the next-kernel preparation checks the other kernel for itself."""
     if not modules or weak_modules_command() is None:
         return
     try:
@@ -543,6 +559,13 @@ def unlink_weak_updates(root: HostRoot, kernel: str, instance: str) -> Path | No
     return previous
 
 
+def linked_stores(root: HostRoot, kernel: str, instance: str) -> set[Path]:
+    """The store trees kvcd links (or installed from) for the instance in `kernel`'s tree:
+    ``extra/<instance>`` and ``weak-updates/<instance>``, as absolute paths."""
+    found = (active_store(root, kernel, instance), weak_updates_store(root, kernel, instance))
+    return {Path(os.path.abspath(p)) for p in found if p is not None}
+
+
 def weak_modules_missing(root: HostRoot, source: str, kernel: str, instance: str) -> list[str]:
     """What `weak-modules` has not linked: the instance's modules installed in the system tree
     for kernel `source` that are not in `kernel`'s ``weak-updates/<instance>/`` as links to
@@ -574,7 +597,8 @@ def weak_modules(modules: Sequence[Path], *, add: bool, initramfs: bool = False)
 
     The module paths go to its standard input, one per line, as rpm scriptlets pass them.
     `initramfs`: let it rebuild the initramfs of the kernels it changes (off: kvcd loads its
-    modules after the root file system is up, and dracut takes a minute).
+    modules after the root file system is up, and dracut takes a minute). It runs depmod: the
+    caller holds :func:`tree_lock`.
     """
     paths = [str(p) for p in modules]
     if not paths:

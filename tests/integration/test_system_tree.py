@@ -128,6 +128,21 @@ def test_install_is_a_copy_in_the_system_tree(system_root: HostRoot, kmods: Buil
     assert os.listdir(copy.parent) == []
 
 
+def test_staging_is_outside_every_kernel_directory(
+    system_root: HostRoot, kmods: BuiltKmods
+) -> None:
+    """A killed predecessor's half-written copy sits where neither depmod nor weak-modules
+    looks (not in any /lib/modules/<k>/), and the next install clears it."""
+    root, a = system_root, kmods.kernel
+    leftover = root.kernel_dirs / f".kvcd-{a}-{INSTANCE}.new"
+    leftover.mkdir(parents=True)
+    (leftover / "kvcd_user.ko").write_bytes(b"half")
+    kmod.prepare_kernel_tree(root, a)
+    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    assert os.listdir(root.kernel_dirs) == [a]
+    assert os.listdir(root.kernel_dir(a) / "extra") == [INSTANCE]
+
+
 def test_a_directory_kvcd_did_not_install_is_left_alone(
     system_root: HostRoot, kmods: BuiltKmods
 ) -> None:
@@ -185,6 +200,24 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
     kmod.deactivate(root, a, INSTANCE)
     assert weak_modules.read_text() == f"{calls}--remove-modules --no-initramfs\n{files}\n"
     assert not any(weak.iterdir())
+
+
+def test_a_version_without_a_module_tells_weak_modules_it_is_gone(
+    system_root: HostRoot, kmods: BuiltKmods, weak_modules: Path
+) -> None:
+    root, a = system_root, kmods.kernel
+    kmod.prepare_kernel_tree(root, a)
+    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    v2 = store_dir(root, INSTANCE, "2.0", a)
+    v2.mkdir(parents=True)
+    (v2 / "kvcd_base.ko").write_bytes(kmods.base.read_bytes())
+    weak_modules.write_text("")
+    kmod.activate(root, a, INSTANCE, v2)
+    copy = installed(root, a)
+    assert weak_modules.read_text() == (
+        f"--remove-modules --no-initramfs\n{copy / 'kvcd_user.ko'}\n"
+        f"--add-modules --no-initramfs\n{copy / 'kvcd_base.ko'}\n"
+    )
 
 
 def test_weak_modules_linking_nothing_means_a_build(

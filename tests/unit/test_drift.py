@@ -30,6 +30,7 @@ from kvcd.config.loader import (
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
+from kvcd.core.state import StepFailed
 from kvcd.daemon import drift, extensions, status
 from kvcd.daemon.events import HOLD, Context, Event
 from kvcd.daemon.instance import Instance
@@ -556,6 +557,25 @@ def test_system_tree_mutation_table(
     assert _installed(r).is_dir() and not _installed(r).is_symlink()
     assert not kmod.depmod_conf(system_host).exists()  # the system's own search order
     check_mutation(r, mutate, expect)
+
+
+def test_system_tree_force_file_never_removes_a_directory_kvcd_did_not_install(
+    system_host: HostRoot,
+) -> None:
+    r = Rig(system_host)
+    kmod.deactivate(system_host, K, NAME)
+    foreign = _installed(r)
+    foreign.mkdir()
+    (foreign / "vendor.ko").write_bytes(b"a package's module")
+    v = r.verdict()
+    assert v is not None and v.reason.startswith(f"{state.DRIFT}: {foreign}/"), v
+    system_host.force_file(NAME).write_text("")
+    r.verdict()
+    assert (foreign / "vendor.ko").read_bytes() == b"a package's module"
+    # Nor does a plan act on it: it says why instead.
+    with pytest.raises(StepFailed) as exc:
+        r.inst.plan("load")
+    assert exc.value.code == state.INSTALL_FAILED and "was not installed by kvcd" in str(exc.value)
 
 
 def test_system_tree_force_file_drops_the_copy_and_its_tree(system_host: HostRoot) -> None:

@@ -585,6 +585,13 @@ def test_clean_up_removes_nothing_when_rpm_ostree_cannot_tell(
     assert tree.is_dir()
 
 
+def test_clean_up_removes_nothing_without_lib_modules(host: HostRoot) -> None:
+    tree = prepared_weak(host, C)
+    shutil.rmtree(host("/lib/modules"))
+    assert storegc.collect(host, config(host), A, None) == []
+    assert tree.is_dir()
+
+
 def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
     host: HostRoot, fake_commands: Any
 ) -> None:

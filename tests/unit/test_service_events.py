@@ -20,6 +20,7 @@ import pytest
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
+from kvcd.core.state import StepFailed
 from kvcd.daemon import extensions
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
@@ -433,3 +434,21 @@ def test_module_tree_system_is_refused_on_rpm_ostree(host: HostRoot) -> None:
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason.startswith(f'ConfigInvalid: {host.main_config}: module_tree = "system"')
     assert "rpm-ostree host" in rec.reason
+
+
+class Unreadable(Scripted):
+    """An extension that reads something kvcd cannot act on (observe's StepFailed)."""
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        raise StepFailed(state.INSTALL_FAILED, "/lib/modules/k/extra/e2e was not installed by kvcd")
+
+
+def test_a_verdict_that_cannot_be_reached_holds_degraded(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use(monkeypatch, Unreadable([]))
+    svc, _n = service(host)
+    rec = svc.reconcile([Event("start", retry=True)])
+    assert rec is not None and rec.state == state.DEGRADED
+    assert rec.reason == "InstallFailed: /lib/modules/k/extra/e2e was not installed by kvcd"
+    assert not (host.sys_module / "kvcd_base").exists()  # held: nothing loaded
