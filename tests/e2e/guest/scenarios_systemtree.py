@@ -89,7 +89,8 @@ def system_tree_instance() -> Any:
 def test_s1_read_only_lib_modules_names_the_fix() -> None:
     sh(["systemctl", "start", "--no-block", UNIT])
     st = settle("Degraded")
-    assert f"cannot write /lib/modules/{KVER}/extra" in st["reason"], st
+    # /lib/modules/<k>/extra itself, or /lib/modules where the copy is staged
+    assert st["reason"].startswith("InstallFailed: cannot write /lib/modules"), st
     assert "Read-only file system" in st["reason"], st
     assert "ReadWritePaths=/usr/lib/modules" in st["reason"], st
     assert not loaded() and not INSTALLED.exists()
