@@ -275,12 +275,31 @@ class Executor:
             raise StepFailed(state.DEPMOD_FAILED, str(exc)) from exc
 
     def _load(self, name: str, params: tuple[tuple[str, str], ...]) -> None:
+        self._resolves_to_own(name)
         try:
             kmod.load(self.root, self.d.kernel, name, params)
         except kmod.ModuleLoadError as exc:
             raise StepFailed(state.LOAD_FAILED, f"{name}: {exc.reason}") from exc
         self._verify((name,), loaded=True)
         self._event(logging.INFO, journal.MSG_LOADED, "loaded %s", name)
+
+    def _resolves_to_own(self, name: str) -> None:
+        """The module tree must resolve `name` to this instance's own file. When another kvcd
+        instance (or the system's updates/) provides a module of the same name, modprobe could
+        load that one; kvcd would then see a foreign build loaded and unload and load it again
+        and again. Say so instead."""
+        try:
+            path = kmod.resolve(self.root, self.d.kernel, name)
+        except kmod.KmodError as exc:
+            raise StepFailed(state.LOAD_FAILED, f"{name}: {exc}") from exc
+        kdir = self.root.kernel_dir(self.d.kernel)
+        own = (kdir / "extra" / self.cfg.name, kdir / kmod.WEAK_UPDATES / self.cfg.name)
+        if path is not None and not any(Path(path).is_relative_to(d) for d in own):
+            raise StepFailed(
+                state.LOAD_FAILED,
+                f"{name}: {kdir} resolves it to {path}, not to {self.cfg.name}'s own modules: "
+                "another instance (or the system) provides a module of that name",
+            )
 
     def _unload(self, name: str) -> None:
         try:

@@ -734,6 +734,15 @@ def show_depends(root: HostRoot, kernel: str, name: str) -> list[str]:
     return parse_show_depends(done.stdout)
 
 
+def resolve(root: HostRoot, kernel: str, name: str) -> str | None:
+    """The file modprobe would insert for `name` itself (None: it is built into the kernel)."""
+    chain = show_depends(root, kernel, name)
+    last = chain[-1] if chain else None
+    if last is None or "/" not in last:
+        return None
+    return "/" + last.lstrip("/")  # with -d / modprobe prints //lib/modules/…
+
+
 def parse_show_depends(text: str) -> list[str]:
     """Parse `modprobe --show-depends` output (``insmod PATH [opts]`` / ``builtin NAME``)."""
     out: list[str] = []

@@ -104,7 +104,10 @@ def instance(root: HostRoot, podman: FakePodman, version: str = "1.0", **kw: Any
 
 
 def modprobe_calls(fakes: Any) -> list[list[str]]:
-    return [c[1:] for c in fakes.calls() if c[0] in ("modprobe", "rmmod")]
+    """The loads and unloads (not the --show-depends queries before each load)."""
+    return [
+        c[1:] for c in fakes.calls() if c[0] in ("modprobe", "rmmod") and "--show-depends" not in c
+    ]
 
 
 def test_first_load_builds_extracts_activates_and_loads_in_order(
@@ -131,6 +134,39 @@ def test_first_load_builds_extracts_activates_and_loads_in_order(
     assert saved["state"] == "Done" and saved["version"] == "1.0" and saved["kernel"] == K
     manifest = json.loads((host.store("e2e") / "1.0" / K / ".kvcd-manifest.json").read_text())
     assert set(manifest["modules"]) == {"kvcd_base", "kvcd_user"}
+
+
+@pytest.mark.parametrize(
+    ("resolved", "loads"),
+    [
+        pytest.param("extra/e2e/kvcd_base.ko", True, id="own-file"),
+        pytest.param("weak-updates/e2e/kvcd_base.ko", True, id="own-weak-update"),
+        pytest.param("extra/other/kvcd_base.ko", False, id="another-instance"),
+        pytest.param("updates/kvcd_base.ko", False, id="the-system's-updates"),
+    ],
+)
+def test_a_module_that_resolves_to_another_file_is_not_loaded(
+    host: HostRoot, fake_commands: Any, resolved: str, loads: bool
+) -> None:
+    """Two providers of one module name in the module tree: modprobe may pick the other; kvcd
+    would then see a foreign build loaded, and unload and load it again forever."""
+    kdir = host.kernel_dir(K)
+    show = f'echo "insmod /{kdir}/{resolved}"'  # "//…", as modprobe -d / prints it
+    fake_commands.add(
+        "modprobe",
+        f'if [[ " $* " == *" --show-depends "* ]]; then {show}; exit; fi\n' + fakehost.MODPROBE,
+    )
+    inst = instance(host, FakePodman(host, K))
+    if loads:
+        assert inst.apply("load").state == state.DONE
+        return
+    with pytest.raises(StepFailed) as exc:
+        inst.apply("load")
+    assert str(exc.value).startswith(
+        f"LoadFailed: kvcd_base: {kdir} resolves it to {kdir}/{resolved}, not to e2e's own "
+        "modules: another instance (or the system) provides a module of that name"
+    )
+    assert not (host.sys_module / "kvcd_base").exists()
 
 
 def test_second_load_touches_nothing_not_even_podman(host: HostRoot, fake_commands: Any) -> None:
