@@ -13,6 +13,7 @@ what entry.sh asks of them (this host has no systemd).
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -85,8 +86,12 @@ def fake_guest(tmp_path: Path) -> dict[str, Path]:
         p = fakebin / name
         p.write_text("#!/bin/bash\n" + body)
         p.chmod(0o755)
-    # python3 -m pytest in entry.sh: this interpreter, which has pytest.
-    (fakebin / "python3").symlink_to(sys.executable)
+    # python3 -m pytest in entry.sh: this interpreter, which has pytest. Run by its own path:
+    # a venv's python reached through a symlink elsewhere does not find its pyvenv.cfg, and is
+    # then the bare base interpreter (no pytest unless the base has it).
+    py = fakebin / "python3"
+    py.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    py.chmod(0o755)
     return {"payload": payload, "state": state, "boot": boot, "bin": fakebin}
 
 
