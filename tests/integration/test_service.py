@@ -70,12 +70,14 @@ class Daemon:
             "WATCHDOG_USEC": "2000000",
             "WATCHDOG_PID": "",
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcd.cli", "run", "e2e"],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        # Into a file, read on failure: a pipe nobody reads blocks a daemon that logs 64 KiB.
+        with open(self.stderr_path, "a") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvcd.cli", "run", "e2e"],
+                env=env,
+                stderr=err,
+                text=True,
+            )
 
     def _drain(self) -> None:
         """Read the notify socket as systemd would: promptly, so the daemon never blocks on it."""

@@ -380,7 +380,8 @@ def test_daemon_prepares_the_next_kernel_and_boots_it_without_a_build(
         ]
         assert [c[5:] for c in loads] == [["kvcd_base"], ["kvcd_user", "greeting=hi"]]
         daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        _, err = daemon.proc.communicate(timeout=30)  # type: ignore[union-attr]
+        daemon.proc.wait(timeout=30)  # type: ignore[union-attr]
+        err = daemon.stderr_path.read_text()
         said = [line for line in err.splitlines() if "prepared before the reboot" in line]
         assert len(said) == 1, err[-3000:]
         assert said[0].endswith(
