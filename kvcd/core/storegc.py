@@ -8,8 +8,8 @@ reads the host (kvcd/daemon/storegc.py) and removes what :func:`stale` names.
 A tree stays while its kernel is installed (the running and the next kernel always count as
 installed), whatever its version: an older version's tree for the running kernel is what makes
 going back to it (or a rollback) a switch without podman. The trees of kernels that are no longer
-installed (``dnf`` removed them, rpm-ostree dropped the deployment) go, with kvcd's links to them
-first.
+installed (``dnf`` removed them, rpm-ostree dropped the deployment) go, with kvcd's links into
+those kernels' trees first.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ class Tree:
     version: str
     """the store's directory name of the version (tag-safe)"""
     kernel: str
-    linked: bool = False
-    """the module root's ``extra/<instance>`` or ``weak-updates/<instance>`` of `kernel` points
-    at it (unlinked before it goes)"""
 
 
 def stale(trees: Iterable[Tree], *, installed: Collection[str]) -> list[Tree]:

@@ -44,13 +44,6 @@ def installed_kernels(root: HostRoot) -> set[str] | None:
     return found
 
 
-def _links(root: HostRoot, kernel: str, name: str) -> set[Path]:
-    try:
-        return kmod.linked_stores(root, kernel, name)
-    except (kmod.KmodError, ValueError):
-        return set()
-
-
 def _kernel_trees(root: HostRoot) -> list[str]:
     base = root.kernel_dirs
     try:
@@ -87,12 +80,13 @@ def collect(
                 for kdir in sorted(p for p in vdir.iterdir() if p.is_dir()):
                     if kdir.name.startswith("."):  # a staging directory: not a tree
                         continue
-                    ours = Path(os.path.abspath(kdir)) in _links(root, kdir.name, cfg.name)
-                    trees.append(storegc.Tree(vdir.name, kdir.name, ours))
-        for tree in storegc.stale(trees, installed=installed):
-            if tree.linked:  # only of a kernel that is gone: take kvcd's links to it first
-                kmod.deactivate(root, tree.kernel, cfg.name)
-                kmod.unlink_weak_updates(root, tree.kernel, cfg.name)
+                    trees.append(storegc.Tree(vdir.name, kdir.name))
+        stale = storegc.stale(trees, installed=installed)
+        for kernel in sorted({t.kernel for t in stale}):  # kvcd's links into a gone kernel first
+            with suppress(kmod.KmodError):  # a directory kvcd did not install stays
+                kmod.deactivate(root, kernel, cfg.name)
+            kmod.unlink_weak_updates(root, kernel, cfg.name)
+        for tree in stale:
             path = base / tree.version / tree.kernel
             shutil.rmtree(path)
             with suppress(OSError):  # the version directory, when that was its last kernel

@@ -18,10 +18,7 @@ A, B, C = "6.1.0-56-amd64", "6.1.0-57-amd64", "6.1.0-58-amd64"
         (Tree("2.0", C), {A, B}, True),  # C was the next kernel, then uninstalled
         # any version stays with its kernel: going back to 1.0 is a switch, not a podman call
         (Tree("1.0", A), {A}, False),
-        (Tree("1.0", A, linked=True), {A}, False),
         (Tree("1.0", B), {A, B}, False),
-        # a link does not keep a tree of a kernel that is gone (it is unlinked first)
-        (Tree("2.0", C, linked=True), {A}, True),
     ],
 )
 def test_store_tree_rule(tree: Tree, installed: set[str], gone: bool) -> None:
@@ -29,10 +26,10 @@ def test_store_tree_rule(tree: Tree, installed: set[str], gone: bool) -> None:
 
 
 def test_stale_is_sorted_and_complete() -> None:
-    trees = [Tree("2.0", C), Tree("1.0", A), Tree("2.0", B), Tree("1.0", C, linked=True)]
+    trees = [Tree("2.0", C), Tree("1.0", A), Tree("2.0", B), Tree("1.0", C)]
     assert stale(trees, installed={A}) == [
         Tree("2.0", B),
-        Tree("1.0", C, linked=True),
+        Tree("1.0", C),
         Tree("2.0", C),
     ]
 
