@@ -110,7 +110,7 @@ def dropin_dirs(root: HostRoot, name: str) -> tuple[Path, ...]:
 
 
 def link_path(root: HostRoot, kernel: str, name: str) -> Path:
-    return root.kernel_dir(kernel) / "extra" / name
+    return kmod.extra_link(root, kernel, name)
 
 
 # --- facts --------------------------------------------------------------------------------

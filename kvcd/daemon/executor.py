@@ -293,7 +293,8 @@ class Executor:
         except kmod.KmodError as exc:
             raise StepFailed(state.LOAD_FAILED, f"{name}: {exc}") from exc
         kdir = self.root.kernel_dir(self.d.kernel)
-        own = (kdir / "extra" / self.cfg.name, kdir / kmod.WEAK_UPDATES / self.cfg.name)
+        k, inst = self.d.kernel, self.cfg.name
+        own = (kmod.extra_link(self.root, k, inst), kmod.weak_link(self.root, k, inst))
         if path is not None and not any(Path(path).is_relative_to(d) for d in own):
             raise StepFailed(
                 state.LOAD_FAILED,

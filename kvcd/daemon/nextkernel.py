@@ -228,7 +228,7 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
             kmod.link_weak_updates(root, kernel, cfg.name, dest)
             kmod.depmod(root, kernel)
             return f"weak-updates from {running} (kABI-compatible)"
-        installed = kmod.installed_modules(root.kernel_dir(running) / "extra" / cfg.name)
+        installed = kmod.installed_modules(kmod.extra_link(root, running, cfg.name))
         with kmod.tree_lock(root):  # weak-modules runs depmod
             kmod.weak_modules(installed, add=True)
         missing = kmod.weak_modules_missing(root, running, kernel, cfg.name)

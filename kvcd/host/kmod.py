@@ -307,7 +307,9 @@ def _mirror_weak_updates(system: Path, tree: Path) -> None:
         _replace_symlink(link, target)
 
 
-def _extra_link(root: HostRoot, kernel: str, instance: str) -> Path:
+def extra_link(root: HostRoot, kernel: str, instance: str) -> Path:
+    """``extra/<instance>`` of `kernel`'s tree: a link to the active store tree (in the system
+    tree: the installed copy)."""
     _check_name("kernel version", kernel)
     _check_name("instance name", instance)
     return root.kernel_dir(kernel) / "extra" / instance
@@ -316,7 +318,7 @@ def _extra_link(root: HostRoot, kernel: str, instance: str) -> Path:
 def active_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """The store directory the instance's ``extra/`` link points at (in the system tree: the
     one its installed copy came from), or None when inactive."""
-    link = _extra_link(root, kernel, instance)
+    link = extra_link(root, kernel, instance)
     try:
         return Path(os.readlink(link))
     except FileNotFoundError:
@@ -336,7 +338,7 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
     returned path to :func:`activate` again to roll back (None: :func:`deactivate`). The
     kernel tree must exist (:func:`prepare_kernel_tree`); run :func:`depmod` afterwards.
     """
-    link = _extra_link(root, kernel, instance)
+    link = extra_link(root, kernel, instance)
     target = Path(os.path.abspath(store_dir))
     if not target.is_dir():
         raise StoreMissing(instance, kernel, target)
@@ -363,7 +365,7 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
 
 def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """Remove the instance's ``extra/`` link (idempotent); return what it pointed at."""
-    link = _extra_link(root, kernel, instance)
+    link = extra_link(root, kernel, instance)
     if not link.parent.is_dir():
         return None
     with tree_lock(root):
@@ -498,7 +500,8 @@ def _tell_weak_modules(modules: Sequence[Path], *, add: bool) -> None:
 WEAK_UPDATES = "weak-updates"
 
 
-def _weak_link(root: HostRoot, kernel: str, instance: str) -> Path:
+def weak_link(root: HostRoot, kernel: str, instance: str) -> Path:
+    """``weak-updates/<instance>`` of `kernel`'s tree."""
     _check_name("kernel version", kernel)
     _check_name("instance name", instance)
     return root.kernel_dir(kernel) / WEAK_UPDATES / instance
@@ -506,7 +509,7 @@ def _weak_link(root: HostRoot, kernel: str, instance: str) -> Path:
 
 def weak_updates_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """The store directory ``weak-updates/<instance>`` points at for `kernel`, or None."""
-    link = _weak_link(root, kernel, instance)
+    link = weak_link(root, kernel, instance)
     try:
         return Path(os.readlink(link))
     except FileNotFoundError:
@@ -526,7 +529,7 @@ def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Pat
     (:func:`prepare_kernel_tree`); run :func:`depmod` afterwards. Nothing is checked here: the
     caller has proven the modules kABI-compatible with `kernel`.
     """
-    link = _weak_link(root, kernel, instance)
+    link = weak_link(root, kernel, instance)
     target = Path(os.path.abspath(store_dir))
     if not target.is_dir():
         raise StoreMissing(instance, kernel, target)
@@ -548,7 +551,7 @@ def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Pat
 
 def unlink_weak_updates(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """Remove ``weak-updates/<instance>`` for `kernel` (idempotent); return its old target."""
-    link = _weak_link(root, kernel, instance)
+    link = weak_link(root, kernel, instance)
     if not link.parent.is_dir():
         return None
     with tree_lock(root):
@@ -571,11 +574,11 @@ def weak_modules_missing(root: HostRoot, source: str, kernel: str, instance: str
     for kernel `source` that are not in `kernel`'s ``weak-updates/<instance>/`` as links to
     them (relative paths; empty: all there). weak-modules links
     /lib/modules/A/extra/<path> as /lib/modules/B/weak-updates/<path>."""
-    installed = _extra_link(root, source, instance)
+    installed = extra_link(root, source, instance)
     modules = installed_modules(installed)
     if not modules:
         return [f"no modules installed in {installed}"]
-    weak = _weak_link(root, kernel, instance)
+    weak = weak_link(root, kernel, instance)
     missing = []
     for path in modules:
         rel = path.relative_to(installed)
