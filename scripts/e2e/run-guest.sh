@@ -128,14 +128,10 @@ else
         log "WARNING: building the kvcd wheel failed (see $OUT/wheel.log); kvcd scenarios will fail"
     fi
     rm -rf "$SRC"
-    if [ -f "$REPO/systemd/kvcd@.service" ]; then
-        find "$REPO/systemd" -maxdepth 1 -type f \
-            \( -name '*.service' -o -name '*.timer' -o -name '*.path' -o -name '*.socket' \) \
-            -exec cp {} "$P/units/" \;
-    else
-        log "WARNING: $REPO/systemd/kvcd@.service missing; using tests/e2e/guest/kvcd@.service"
-        cp "$REPO/tests/e2e/guest/kvcd@.service" "$P/units/"
-    fi
+    [ -f "$REPO/systemd/kvcd@.service" ] || die "$REPO/systemd/kvcd@.service missing"
+    find "$REPO/systemd" -maxdepth 1 -type f \
+        \( -name '*.service' -o -name '*.timer' -o -name '*.path' -o -name '*.socket' \) \
+        -exec cp {} "$P/units/" \;
     mkdir -p "$P/shim"
     cp "$REPO/packaging/kmods-via-containers" "$P/shim/"
 fi

@@ -1,0 +1,181 @@
+"""Guest-side systemd integration, checked under the real systemd rather than assumed.
+
+Runs after the core step (kvcd@e2e-kmod installed from the RPM payload); each test leaves the
+instance running, Done and loaded.
+
+(y1) the generator: depends_on becomes a Requires=/After= drop-in on `systemctl daemon-reload`,
+     and an instance with a broken file next to it does not cost the good one its drop-in
+(y2) STATUS= text: `systemctl status` and the StatusText property show kvcd's state line
+(y3) `systemctl reload`: a good reload keeps the process (same MainPID) and exits 0; a broken
+     config makes `systemctl reload` fail, keeps the loaded modules, says Degraded with
+     ConfigInvalid, and that record is queryable as `journalctl KVCD_INSTANCE=… KVCD_STATE=Degraded`
+(y4) the watchdog: kvcd pings it (WatchdogTimestamp advances past WatchdogSec with the same
+     process), and a daemon that stops answering (SIGSTOP) is killed by systemd and restarted,
+     and the restarted daemon converges to Done with the modules it finds loaded
+
+Contracts used: kvcd@.service (Type=notify, WatchdogSec=, ExecReload=kvcd reload %i),
+kvcd-generator's 50-kvcd-depends.conf, journald fields KVCD_INSTANCE / KVCD_STATE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvcdguest import (
+    INSTANCE,
+    INSTANCE_FILE,
+    MODS,
+    UNIT,
+    kvcd_status,
+    proc_modules,
+    sh,
+    state_is,
+    wait_for,
+)
+
+GENERATED = Path("/run/systemd/generator")
+DEP = "e2e-gen-dep"  # configured only: never started (its module does not exist)
+BAD = "e2e-gen-bad"
+INSTANCES = Path("/etc/kvcd/instances")
+RUNTIME_DROPIN = Path(f"/run/systemd/system/{UNIT}.d/60-e2e-watchdog.conf")
+
+
+def prop(name: str, unit: str = UNIT) -> str:
+    return sh(["systemctl", "show", "-P", name, unit]).stdout.strip()
+
+
+def main_pid() -> int:
+    return int(prop("MainPID"))
+
+
+def settle_done() -> dict[str, Any]:
+    return wait_for(state_is("Done"), 300, f"{INSTANCE} Done")
+
+
+def loaded() -> bool:
+    mods = proc_modules()
+    return all(m in mods for m in MODS)
+
+
+@pytest.fixture(autouse=True)
+def _running_and_done() -> Iterator[None]:
+    st = kvcd_status()
+    active = sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    if not active or not st or (st.get("state"), st.get("goal")) != ("Done", "loaded"):
+        sh(["systemctl", "restart", UNIT], timeout=900)
+    settle_done()
+    yield
+    if RUNTIME_DROPIN.exists():
+        RUNTIME_DROPIN.unlink()
+        sh(["systemctl", "daemon-reload"])
+    if sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() != "active":
+        sh(["systemctl", "reset-failed", UNIT], check=False)
+        sh(["systemctl", "restart", UNIT], timeout=900)
+    settle_done()
+
+
+def test_y1_generator_writes_depends_dropins_despite_a_broken_instance() -> None:
+    (INSTANCES / f"{DEP}.toml").write_text(
+        'version = "1.0"\nmodules = ["kvcd_gen_probe"]\n'
+        f'image = "localhost/kvcd-e2e-never-pulled:1"\ndepends_on = ["{INSTANCE}"]\n'
+    )
+    (INSTANCES / f"{BAD}.toml").write_text('version = "1.0"\nmodules = [\n')  # not TOML
+    for p in INSTANCES.glob("e2e-gen-*.toml"):
+        p.chmod(0o644)
+    try:
+        sh(["systemctl", "daemon-reload"])
+        dropin = GENERATED / f"kvcd@{DEP}.service.d" / "50-kvcd-depends.conf"
+        text = dropin.read_text()
+        assert f"Requires=kvcd@{INSTANCE}.service" in text, text
+        assert f"After=kvcd@{INSTANCE}.service" in text, text
+        # systemd itself reads it: the dependency is part of the loaded unit.
+        assert f"kvcd@{INSTANCE}.service" in prop("Requires", f"kvcd@{DEP}.service").split()
+        assert f"kvcd@{INSTANCE}.service" in prop("After", f"kvcd@{DEP}.service").split()
+        assert not (GENERATED / f"kvcd@{BAD}.service.d").exists()
+        # The broken file is named in the generator's output (the journal), not silently dropped.
+        out = sh(["journalctl", "-b", "--no-pager", "-o", "cat", "-t", "kvcd-generator"], check=False)
+        print(out.stdout[-2000:])
+    finally:
+        for p in INSTANCES.glob("e2e-gen-*.toml"):
+            p.unlink()
+        sh(["systemctl", "daemon-reload"])
+    assert not (GENERATED / f"kvcd@{DEP}.service.d").exists(), "drop-in left after removal"
+
+
+def test_y2_status_text_is_what_systemctl_status_shows() -> None:
+    text = prop("StatusText")
+    assert text.startswith(f"Done: {INSTANCE}"), text
+    out = sh(["systemctl", "status", "--no-pager", "--full", "-n", "0", UNIT], check=False).stdout
+    assert f'Status: "{text}"' in out, out
+
+
+def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None:
+    pid = main_pid()
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    sh(["systemctl", "reload", UNIT], timeout=600)
+    assert main_pid() == pid, "systemctl reload restarted the daemon"
+    assert prop("ActiveState") == "active"
+    settle_done()
+
+    good = INSTANCE_FILE.read_text()
+    INSTANCE_FILE.write_text(good + "\nno_such_key = 1\n")
+    try:
+        p = sh(["systemctl", "reload", UNIT], check=False, timeout=600)
+        assert p.returncode != 0, "a reload with an invalid config exited 0"
+        assert main_pid() == pid and prop("ActiveState") == "active"
+        st = wait_for(state_is("Degraded"), 120, "Degraded after the bad reload")
+        assert st["reason"].startswith("ConfigInvalid:"), st
+        assert "no_such_key" in st["reason"], st
+        assert loaded(), "a bad config unloaded the running driver"
+        assert prop("StatusText").startswith("Degraded: ConfigInvalid"), prop("StatusText")
+        # The journal fields are queryable exactly as the README shows.
+        q = sh(
+            [
+                "journalctl",
+                "--no-pager",
+                "-o",
+                "json",
+                "--since",
+                since,
+                f"KVCD_INSTANCE={INSTANCE}",
+                "KVCD_STATE=Degraded",
+            ]
+        )
+        entries = [json.loads(line) for line in q.stdout.splitlines() if line.strip()]
+        assert entries, "journalctl KVCD_INSTANCE=… KVCD_STATE=Degraded found nothing"
+        assert any("ConfigInvalid" in str(e.get("MESSAGE", "")) for e in entries), entries[-3:]
+    finally:
+        INSTANCE_FILE.write_text(good)
+    sh(["systemctl", "reload", UNIT], timeout=600)
+    assert main_pid() == pid
+    settle_done()
+
+
+def test_y4_watchdog_is_fed_and_a_hung_daemon_is_restarted() -> None:
+    RUNTIME_DROPIN.parent.mkdir(parents=True, exist_ok=True)
+    RUNTIME_DROPIN.write_text("[Service]\nWatchdogSec=6s\nRestartSec=1s\n")
+    sh(["systemctl", "daemon-reload"])
+    sh(["systemctl", "restart", UNIT], timeout=900)
+    settle_done()
+    assert prop("WatchdogUSec") == "6s", prop("WatchdogUSec")
+    pid = main_pid()
+    first = int(prop("WatchdogTimestampMonotonic"))
+    time.sleep(15)  # 2.5 x WatchdogSec: without pings systemd would have killed it by now
+    assert main_pid() == pid and prop("ActiveState") == "active"
+    assert int(prop("WatchdogTimestampMonotonic")) > first, "no WATCHDOG=1 ping reached systemd"
+
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    os.kill(pid, signal.SIGSTOP)
+    # systemd aborts the unresponsive daemon (watchdog), Restart=on-failure starts a new one.
+    wait_for(lambda: main_pid() not in (0, pid), 120, "systemd to restart the hung daemon")
+    log = sh(["journalctl", "--no-pager", "-o", "cat", "--since", since, "-u", UNIT]).stdout
+    assert "Watchdog timeout" in log or "watchdog" in log.lower(), log[-3000:]
+    settle_done()
+    assert loaded()
