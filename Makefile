@@ -23,7 +23,15 @@ PY_DIRS := kvcd tests benchmarks
 setup:
 	scripts/setup.sh
 
-check: lint test e2e
+# Each step's wall time goes to out/steps.txt and is printed at the end (and on a failure).
+STEP := scripts/step.sh
+check:
+	@rm -f out/steps.txt
+	@$(STEP) setup scripts/setup.sh
+	@$(STEP) lint $(MAKE) --no-print-directory lint
+	@$(STEP) test $(MAKE) --no-print-directory test
+	@$(STEP) e2e $(MAKE) --no-print-directory e2e
+	@$(STEP) --report
 
 lint: setup
 	$(VENV)/ruff check $(PY_DIRS)

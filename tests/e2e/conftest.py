@@ -5,6 +5,11 @@ so a plain `pytest` never boots a VM. Environment:
   KVCD_E2E_MODE     e2e (default: smoke + kvcd scenarios) or smoke (harness only)
   KVCD_E2E_RESULTS  an existing run directory (…/out/e2e/<mode>) to assert on, without booting
   KVCD_E2E_OUT      where run-guest.sh writes (default <repo>/out/e2e/<mode>)
+  KVCD_E2E_SHARDS  e2e steps split into guests booted side by side, "|" between guests, e.g.
+                    "core reboot_nextkernel | scenarios_drift scenarios_node"; each guest gets
+                    KVCD_E2E_ONLY=<its steps>, KVCD_E2E_SMP=KVCD_E2E_SHARD_SMP (default 1) and
+                    its own directory <out>-<n>. The steps of one guest run in order, as
+                    entry.sh runs them; steps in different guests share nothing.
   plus run-guest.sh's own: KVCD_E2E_TIMEOUT, KVCD_E2E_ACCEL, KVCD_E2E_CACHE, KVCD_E2E_KEEP
 """
 
@@ -22,6 +27,7 @@ collect_ignore = ["guest", "driver"]
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_GUEST = REPO / "scripts" / "e2e" / "run-guest.sh"
+BUILD_GUEST = REPO / "scripts" / "e2e" / "build-guest.sh"
 
 
 def _wanted(config: pytest.Config) -> bool:
@@ -49,21 +55,21 @@ class GuestCase:
 
 @dataclass
 class GuestRun:
-    out: Path
+    outs: list[Path]  # one run directory per guest booted (one unless KVCD_E2E_SHARDS)
     mode: str
     cases: list[GuestCase] = field(default_factory=list)
     harness_error: str = ""  # set when run-guest.sh failed: the guest did not finish
 
-    @property
-    def results(self) -> Path:
-        return self.out / "results"
+    def result_files(self, pattern: str) -> list[Path]:
+        return sorted(p for out in self.outs for p in (out / "results").glob(pattern))
 
     def where(self) -> str:
-        return (
-            f"console log: {self.out / 'console.log'}\n"
-            f"guest journal: {self.results / 'journal.txt'}\n"
-            f"guest pytest log: {self.results / 'entry.log'}"
-        )
+        return "".join(
+            f"console log: {out / 'console.log'}\n"
+            f"guest journal: {out / 'results' / 'journal.txt'}\n"
+            f"guest pytest log: {out / 'results' / 'entry.log'}\n"
+            for out in self.outs
+        ).rstrip("\n")
 
     def check(self, name: str, module: str | None = None) -> list[GuestCase]:
         """Assert the guest test `name` (of guest file `module`, e.g. "guest_scenarios"; a
@@ -153,39 +159,72 @@ def parse_results(results: Path) -> list[GuestCase]:
 _SESSION: dict[str, GuestRun] = {}
 
 
+def shards() -> list[str]:
+    """KVCD_E2E_SHARDS split into the step lists of the guests to boot side by side."""
+    return [g.strip() for g in os.environ.get("KVCD_E2E_SHARDS", "").split("|") if g.strip()]
+
+
+def _boot(mode: str, out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(RUN_GUEST), "--mode", mode, "--out", str(out)], env={**os.environ, **env}
+    )
+
+
 @pytest.fixture(scope="session")
 def guest_run() -> GuestRun:
     mode = os.environ.get("KVCD_E2E_MODE", "e2e")
-    if os.environ.get("KVCD_E2E_RESULTS"):
-        out = Path(os.environ["KVCD_E2E_RESULTS"])
-        rc = 0 if (out / "results" / "done").exists() else 3
-    else:
-        out = Path(os.environ.get("KVCD_E2E_OUT", REPO / "out" / "e2e" / mode))
-        # Each boot is bounded by KVCD_E2E_TIMEOUT; + the guest build.
-        boots = int(os.environ.get("KVCD_E2E_MAX_BOOTS", "3"))
-        timeout = int(os.environ.get("KVCD_E2E_TIMEOUT", "5400")) * boots + 1200
-        p = subprocess.run(
-            [str(RUN_GUEST), "--mode", mode, "--out", str(out)], timeout=timeout, check=False
-        )
-        rc = p.returncode
-    mode = (
-        (out / "payload" / "mode").read_text().strip()
-        if (out / "payload" / "mode").exists()
-        else mode
-    )
-    run = GuestRun(out=out, mode=mode, cases=parse_results(out / "results"))
-    if rc != 0:
-        # The guest stopped early (qemu timeout, a crash): what it reported still counts, the
-        # rest fails as "did not report" with this note.
-        run.harness_error = (
-            f"run-guest.sh failed (rc {rc}): the guest did not finish (timed out or crashed; "
-            f"see {out / 'times.txt'}).\n"
-        )
+    base = Path(os.environ.get("KVCD_E2E_OUT", REPO / "out" / "e2e" / mode))
+    run = boot_guests(mode, base, shards() if mode == "e2e" else [])
     _SESSION["run"] = run
     if not run.cases:
         pytest.fail(
-            f"no guest test results in {out / 'results'}\n{run.harness_error}{run.where()}",
+            f"no guest test results in {', '.join(str(o / 'results') for o in run.outs)}\n"
+            f"{run.harness_error}{run.where()}",
             pytrace=False,
+        )
+    return run
+
+
+def boot_guests(mode: str, base: Path, groups: list[str]) -> GuestRun:
+    """Boot one guest (or one per step group, side by side) and read back what they reported."""
+    if os.environ.get("KVCD_E2E_RESULTS"):
+        outs = [Path(os.environ["KVCD_E2E_RESULTS"])]
+        rcs = [0 if (outs[0] / "results" / "done").exists() else 3]
+    else:
+        # Each boot is bounded by KVCD_E2E_TIMEOUT; + the guest build.
+        boots = int(os.environ.get("KVCD_E2E_MAX_BOOTS", "3"))
+        timeout = int(os.environ.get("KVCD_E2E_TIMEOUT", "5400")) * boots + 1200
+        if groups:
+            # The cached guest is built once, before the guests race for its lock.
+            subprocess.run([str(BUILD_GUEST)], check=True, timeout=3600, stdout=subprocess.DEVNULL)
+            smp = os.environ.get("KVCD_E2E_SHARD_SMP", "1")
+            outs = [base.with_name(f"{base.name}-{i}") for i in range(1, len(groups) + 1)]
+            procs = [
+                _boot(mode, out, {"KVCD_E2E_ONLY": g, "KVCD_E2E_SMP": smp})
+                for out, g in zip(outs, groups)
+            ]
+        else:
+            outs = [base]
+            procs = [_boot(mode, base, {})]
+        rcs = []
+        for proc in procs:
+            try:
+                rcs.append(proc.wait(timeout=timeout))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rcs.append(proc.wait())
+    mode_file = outs[0] / "payload" / "mode"
+    mode = mode_file.read_text().strip() if mode_file.exists() else mode
+    cases = [c for out in outs for c in parse_results(out / "results")]
+    run = GuestRun(outs=outs, mode=mode, cases=cases)
+    failed = [(out, rc) for out, rc in zip(outs, rcs) if rc != 0]
+    if failed:
+        # A guest stopped early (qemu timeout, a crash): what it reported still counts, the
+        # rest fails as "did not report" with this note.
+        run.harness_error = "".join(
+            f"run-guest.sh failed (rc {rc}): the guest did not finish (timed out or crashed; "
+            f"see {out / 'times.txt'}).\n"
+            for out, rc in failed
         )
     return run
 
@@ -196,9 +235,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         return
     tr = terminalreporter
     tr.section("kvcd e2e timings")
-    times = run.out / "times.txt"
-    if times.exists():
-        tr.write(times.read_text())
+    for out in run.outs:
+        times = out / "times.txt"
+        if times.exists():
+            tr.write_line(f"-- {times}")
+            tr.write(times.read_text())
     for c in run.cases:
         tr.write_line(f"guest {c.outcome:7} {c.seconds:7.1f}s  {c.classname}::{c.name}")
-    tr.write_line(f"artifacts: {run.out}")
+    tr.write_line(f"artifacts: {' '.join(str(o) for o in run.outs)}")

@@ -157,7 +157,7 @@ def test_entry_steps_and_reboot(fake_guest: dict[str, Path]) -> None:
     assert (fake_guest["state"] / "boot").read_text().strip() == "2"
 
     # The host side reads every junit file: one result per guest test.
-    run = GuestRun(out=fake_guest["payload"], mode="e2e", cases=parse_results(res))
+    run = GuestRun(outs=[fake_guest["payload"]], mode="e2e", cases=parse_results(res))
     assert [c.name for c in run.check("test_after", "reboot_x")] == ["test_after"]
     assert run.check("test_c_ok", "scenarios_c")[0].outcome == "passed"
     assert run.file_errors("scenarios_b"), "the import error of scenarios_b.py was not reported"
@@ -215,3 +215,62 @@ def test_guest_files_have_tests() -> None:
     for f in [GUEST / "guest_smoke.py", GUEST / "guest_scenarios.py", GUEST / "guest_kvc_shim.py",
               *GUEST.glob("scenarios_*.py"), *GUEST.glob("reboot_*.py")]:  # fmt: skip
         assert guest_tests(f), f
+
+
+def test_sharded_guests_boot_side_by_side_and_merge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVCD_E2E_SHARDS: the guest is built once, then one run-guest.sh per step group runs at
+    the same time, each with its own out directory, KVCD_E2E_ONLY and KVCD_E2E_SMP; their junit
+    results are read as one run, and a guest that did not finish is named."""
+    from tests.e2e import conftest
+
+    log = tmp_path / "calls.log"
+    build = tmp_path / "build-guest.sh"
+    build.write_text(f"#!/bin/bash\necho build >>{log}\necho /cache/guest\n")
+    run = tmp_path / "run-guest.sh"
+    # Each fake guest waits until both have started: the groups must run side by side.
+    run.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/bash
+            out=$4
+            echo "run $out only=$KVCD_E2E_ONLY smp=$KVCD_E2E_SMP" >>{log}
+            touch "{tmp_path}/started-$(basename "$out")"
+            for _ in $(seq 100); do
+                [ "$(ls {tmp_path}/started-* | wc -l)" -ge 2 ] && break
+                sleep 0.05
+            done
+            mkdir -p "$out/results" "$out/payload"
+            echo e2e >"$out/payload/mode"
+            step=${{KVCD_E2E_ONLY%% *}}
+            printf '<testsuite><testcase classname="%s" name="test_ok" time="1"/></testsuite>' \\
+                "$step" >"$out/results/junit-$step.xml"
+            [ "$step" = scenarios_b ] && exit 3
+            touch "$out/results/done"
+            """
+        )
+    )
+    for f in (build, run):
+        f.chmod(0o755)
+    monkeypatch.setattr(conftest, "RUN_GUEST", run)
+    monkeypatch.setattr(conftest, "BUILD_GUEST", build)
+    monkeypatch.delenv("KVCD_E2E_RESULTS", raising=False)
+    monkeypatch.delenv("KVCD_E2E_SHARD_SMP", raising=False)
+
+    got = conftest.boot_guests("e2e", tmp_path / "e2e", ["core scenarios_a", "scenarios_b"])
+
+    calls = log.read_text().splitlines()
+    assert calls[0] == "build" and len(calls) == 3, calls
+    assert sorted(calls[1:]) == [
+        f"run {tmp_path}/e2e-1 only=core scenarios_a smp=1",
+        f"run {tmp_path}/e2e-2 only=scenarios_b smp=1",
+    ]
+    assert got.outs == [tmp_path / "e2e-1", tmp_path / "e2e-2"]
+    assert sorted(c.classname for c in got.cases) == ["core", "scenarios_b"]
+    assert [p.name for p in got.result_files("junit-*.xml")] == [
+        "junit-core.xml",
+        "junit-scenarios_b.xml",
+    ]
+    assert "rc 3" in got.harness_error and "e2e-2" in got.harness_error
+    assert "e2e-1" not in got.harness_error

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.e2e.conftest import shards
+
 if TYPE_CHECKING:
     from tests.e2e.conftest import GuestRun
 
@@ -58,11 +60,21 @@ def _params(files: list[Path], prefix: str) -> list[pytest.param]:  # type: igno
     return out
 
 
-def _check(run: GuestRun, module: str, name: str) -> None:
-    step = "core" if module in CORE else module
+def _selected(step: str) -> None:
+    """Skip a step KVCD_E2E_ONLY leaves out; fail one that no guest of KVCD_E2E_SHARDS runs (a
+    sharded run is CI's: every step must be in some guest)."""
+    groups = shards()
+    if groups:
+        if not any(step in g.split() for g in groups):
+            pytest.fail(f"step {step} is in no guest of KVCD_E2E_SHARDS={'|'.join(groups)}")
+        return
     only = os.environ.get("KVCD_E2E_ONLY", "").split()
     if only and step not in only:
-        pytest.skip(f"step {step} not run: KVCD_E2E_ONLY={' '.join(only)} (make e2e-full runs all)")
+        pytest.skip(f"step {step} not run: KVCD_E2E_ONLY={' '.join(only)}")
+
+
+def _check(run: GuestRun, module: str, name: str) -> None:
+    _selected("core" if module in CORE else module)
     cls, _, fn = name.rpartition("::")
     run.check(fn, f"{module}.{cls}" if cls else module)
 
@@ -125,11 +137,9 @@ def test_guest_file(guest_run: GuestRun, path: Path) -> None:
     """The guest ran the file as its own session (its junit file exists) and it imported."""
     if guest_run.mode == "smoke":
         pytest.skip("smoke run: kvcd scenarios not run")
-    only = os.environ.get("KVCD_E2E_ONLY", "").split()
-    if only and path.stem not in only:
-        pytest.skip(f"step {path.stem} not run: KVCD_E2E_ONLY={' '.join(only)}")
+    _selected(path.stem)
     pattern = f"junit-{path.stem}{'-boot*' if path.stem.startswith('reboot_') else ''}.xml"
-    assert sorted(guest_run.results.glob(pattern)), (
+    assert guest_run.result_files(pattern), (
         f"the guest did not run {path.name} (no {pattern})\n{guest_run.where()}"
     )
     errors = guest_run.file_errors(path.stem)

@@ -100,8 +100,8 @@ def test_y1_generator_writes_depends_dropins_despite_a_broken_instance() -> None
         assert f"kvcd@{INSTANCE}.service" in prop("After", f"kvcd@{DEP}.service").split()
         assert not (GENERATED / f"kvcd@{BAD}.service.d").exists()
         # The broken file is named in the generator's output (the journal), not silently dropped.
-        out = sh(["journalctl", "-b", "--no-pager", "-o", "cat", "-t", "kvcd-generator"], check=False)
-        print(out.stdout[-2000:])
+        gen_log = ["journalctl", "-b", "--no-pager", "-o", "cat", "-t", "kvcd-generator"]
+        print(sh(gen_log, check=False).stdout[-2000:])
     finally:
         for p in INSTANCES.glob("e2e-gen-*.toml"):
             p.unlink()
