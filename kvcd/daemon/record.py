@@ -12,14 +12,14 @@ from kvcd.host.paths import HostRoot
 
 
 def running_kernel(root: HostRoot) -> str:
-    text = files.read_text(root.osrelease)
+    text = files.read_host_text(root.osrelease)
     if not text or not text.strip():
         raise RuntimeError(f"cannot read the running kernel release from {root.osrelease}")
     return text.strip()
 
 
 def boot_id(root: HostRoot) -> str | None:
-    text = files.read_text(root.boot_id)
+    text = files.read_host_text(root.boot_id)
     return text.strip() if text else None
 
 
