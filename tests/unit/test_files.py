@@ -63,8 +63,8 @@ def _own_file(root: HostRoot, tmp_path: Path, make: Callable[[Path, Path], None]
 @pytest.mark.parametrize(
     "use",
     [
-        pytest.param(lambda p: files.read_json(p), id="read_json"),
-        pytest.param(lambda p: files.read_text(p), id="read_text"),
+        pytest.param(files.read_json, id="read_json"),
+        pytest.param(files.read_text, id="read_text"),
         pytest.param(lambda p: files.write_json(p, {"a": 1}), id="write_json"),
         pytest.param(lambda p: files.locked(p).__enter__(), id="locked"),
     ],
@@ -108,9 +108,11 @@ def test_an_own_directory_that_is_a_symlink_is_not_written_through(
     target = root.state_file("e2e") if link.is_relative_to(root.state) else root.pid_file("e2e")
     with pytest.raises(files.Refused, match=f"^{link}: is a symlink$"):
         files.write_json(target, {"a": 1})
-    with pytest.raises(files.Refused, match=f"^{link}: is a symlink$"):
-        with files.locked(target.with_name("x.lock")):
-            pass
+    with (
+        pytest.raises(files.Refused, match=f"^{link}: is a symlink$"),
+        files.locked(target.with_name("x.lock")),
+    ):
+        pass
     assert list(elsewhere.iterdir()) == []
 
 
