@@ -65,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         "unload", "unload the modules in reverse order and verify they are gone", dry_run=True
     )
     rl = instance_verb("reload", "ask the running kvcd@NAME to re-read its config and reconcile")
-    rl.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
+    rl.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for the result (default: 1800, the unit's TimeoutStartSec)",
+    )
     st = sub.add_parser("status", help="state of every instance (or one)")
     st.add_argument("instance", metavar="NAME", nargs="?")
     st.add_argument("--json", action="store_true")

@@ -31,7 +31,7 @@ from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, V
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
-from kvcd.host import files
+from kvcd.host import procs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
 
@@ -309,7 +309,7 @@ class Service:
 
     def run(self) -> int:
         self._install()
-        files.atomic_write(self.root.pid_file(self.name), f"{os.getpid()}\n".encode())
+        procs.write_pid_file(self.root.pid_file(self.name), os.getpid())
         try:
             record = self.reconcile([Event("start", retry=True)])
             if record is None:
