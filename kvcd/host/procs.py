@@ -198,7 +198,7 @@ def parse_pid_file(path: Path, raw: bytes) -> PidRecord:
         pid = int(text)
     else:
         data = files.parse_json(path, raw)
-        pid = data.get("pid") if isinstance(data, dict) else None
+        pid = data.get("pid") if isinstance(data, dict) else data
         start = data.get("start") if isinstance(data, dict) else None
         if not isinstance(pid, int) or isinstance(pid, bool):
             raise files.Damaged(path, 'holds no pid (expected {"pid": N, "start": T})')
