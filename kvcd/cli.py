@@ -137,14 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _status(root: HostRoot, only: str | None, as_json: bool) -> int:
-    from kvcd.daemon.status import collect, render
+    from kvcd.daemon.status import collect, failed, render
 
     entries = collect(root, only)
     if as_json:
         print(json.dumps({"instances": entries}, indent=2, sort_keys=True))
     else:
         print(render(entries))
-    return EXIT_OK
+    return EXIT_FAILED if failed(entries) else EXIT_OK
 
 
 def _kernel(root: HostRoot, args: argparse.Namespace) -> str:

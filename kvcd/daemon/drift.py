@@ -166,6 +166,44 @@ def _expect_json(data: object) -> core.Expect | None:
     )
 
 
+def parse_baseline(path: Path, raw: bytes) -> dict[str, Any]:
+    """An instance's drift baseline: {"units": {path: fact}, "trees": {kernel: tree}}.
+    files.Damaged for anything else: a baseline that is not one would switch checks off."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict):
+        raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not a drift baseline")
+    for part in ("units", "trees"):
+        if part in data and not isinstance(data[part], dict):
+            raise files.Damaged(path, f"has {part!r} that is not an object")
+    return data
+
+
+def parse_depmod_record(path: Path, raw: bytes) -> dict[str, Any]:
+    """The node-wide record of a kernel's depmod indexes: {"kernel": K, "files": {name: fact}}."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise files.Damaged(path, 'is not a depmod record (no "files" object)')
+    return data
+
+
+def read_record(
+    path: Path,
+    parse: Callable[[Path, bytes], dict[str, Any]],
+    on_damaged: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """A drift record (None: none yet). A damaged one is set aside and reported through
+    `on_damaged`, then treated as absent: kvcd takes it again from its own manifests."""
+    raw = files.read_bytes(path)
+    if raw is None:
+        return None
+    try:
+        return parse(path, raw)
+    except files.Damaged as exc:
+        aside = files.set_aside(path, exc)
+        on_damaged(f"{exc.path} {exc.what}" + (f"; set aside as {aside.name}" if aside else ""))
+        return None
+
+
 def f_absent() -> core.Expect:
     return core.Expect(core.ABSENT)
 
@@ -243,8 +281,10 @@ class Check:
         cfg: InstanceConfig,
         kernel: str,
         regenerate: Callable[[str], dict[str, tuple[str, int]] | None],
+        on_damaged: Callable[[str], None] = lambda _what: None,
     ) -> None:
         self.root = root
+        self.on_damaged = on_damaged
         self.cfg = cfg
         self.kernel = kernel
         self.regenerate = regenerate
@@ -253,8 +293,8 @@ class Check:
         self.watch_dirs: set[Path] = set()
         self.differences: list[core.Difference] = []  # found directly, not by comparison
         self.store: Path | None = None  # the active store tree, when the link is valid
-        data = files.read_json(baseline_path(root, cfg.name))
-        self.baseline: dict[str, Any] = data if isinstance(data, dict) else {}
+        data = read_record(baseline_path(root, cfg.name), parse_baseline, on_damaged)
+        self.baseline: dict[str, Any] = data or {}
 
     # module tree: the link and what it points at
     def _module_tree(self) -> None:
@@ -367,8 +407,8 @@ class Check:
             return []
         with kmod.tree_lock(self.root):  # no kvcd depmod runs while we look and compare
             now = depmod_outputs(kdir)
-            recorded = files.read_json(record_path)
-            rec = recorded.get("files") if isinstance(recorded, dict) else None
+            recorded = read_record(record_path, parse_depmod_record, self.on_damaged)
+            rec = recorded.get("files") if recorded is not None else None
             expected: dict[str, core.Expect] = {}
             if isinstance(rec, dict):
                 for name, data in rec.items():
@@ -517,6 +557,7 @@ class DriftMonitor(Extension):
         self._reload = False
         self._forced = False
         self.checks = 0  # how many full validations ran (tests, benchmarks)
+        self.damaged: list[str] = []  # drift records set aside since the last reconcile
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -675,7 +716,13 @@ class DriftMonitor(Extension):
 
     # --- checks (main thread) ----------------------------------------------------------
     def _check(self, ctx: Context) -> Check:
-        return Check(ctx.root, self.cfg, ctx.kernel, lambda k: self.regenerate(ctx.root, k))
+        return Check(
+            ctx.root,
+            self.cfg,
+            ctx.kernel,
+            lambda k: self.regenerate(ctx.root, k),
+            self.damaged.append,
+        )
 
     def validate(self, ctx: Context) -> list[core.Difference]:
         """One full re-validation of the instance (also the preflight before every change)."""
@@ -822,7 +869,7 @@ class DriftMonitor(Extension):
         ):
             return None
         previous = Record.read(ctx.root, ctx.name)
-        ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED)
+        ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED, state.STATE_DAMAGED)
         if previous is None or previous.reason.startswith(ours):
             return None
         # Other sources' events reconcile as usual, except that file events never retry a
@@ -897,12 +944,17 @@ class DriftMonitor(Extension):
         except (OSError, kmod.KmodError) as exc:
             log.warning("drift: cannot take the baseline: %s", exc, extra=ctx.fields)
         self._write_status()
+        if self.damaged:
+            # Taken again above from kvcd's own manifests; until the next reconcile confirms
+            # it, the instance says a record was lost (what drifted meanwhile is not known).
+            detail = "; ".join(dict.fromkeys(self.damaged)) + "; drift baseline taken again"
+            self.damaged.clear()
+            return Verdict(HOLD, state.DEGRADED, state.reason_text(state.STATE_DAMAGED, detail))
         return None
 
     def _rebaseline(self, ctx: Context) -> None:
         path = baseline_path(ctx.root, ctx.name)
-        data = files.read_json(path)
-        old: dict[str, Any] = data if isinstance(data, dict) else {}
+        old: dict[str, Any] = read_record(path, parse_baseline, self.damaged.append) or {}
         units = old.get("units")
         if self._forced or not isinstance(units, dict):
             facts = self._check(ctx).unit_facts()
