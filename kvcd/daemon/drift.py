@@ -844,6 +844,11 @@ class DriftMonitor(Extension):
             self.drifted = reason
             self._held = True
             return Verdict(HOLD, state.DEGRADED, reason)
+        if self.damaged and not any(e.source in ("start", "signal") for e in events):
+            # A drift record was set aside: no changes on the monitor's own trigger, say so;
+            # the next trigger reconciles (StateDamaged is this monitor's own hold) and the
+            # after-step takes the baseline again. A start or a reload goes ahead at once.
+            return self._damaged_verdict()
         if self.drifted:
             log.info(
                 "drift resolved: the files match again",
@@ -947,10 +952,13 @@ class DriftMonitor(Extension):
         if self.damaged:
             # Taken again above from kvcd's own manifests; until the next reconcile confirms
             # it, the instance says a record was lost (what drifted meanwhile is not known).
-            detail = "; ".join(dict.fromkeys(self.damaged)) + "; drift baseline taken again"
-            self.damaged.clear()
-            return Verdict(HOLD, state.DEGRADED, state.reason_text(state.STATE_DAMAGED, detail))
+            return self._damaged_verdict()
         return None
+
+    def _damaged_verdict(self) -> Verdict:
+        detail = "; ".join(dict.fromkeys(self.damaged)) + "; drift records taken again"
+        self.damaged.clear()
+        return Verdict(HOLD, state.DEGRADED, state.reason_text(state.STATE_DAMAGED, detail))
 
     def _rebaseline(self, ctx: Context) -> None:
         path = baseline_path(ctx.root, ctx.name)

@@ -5,6 +5,7 @@ Kept apart from the instance machinery so `kvcd status` imports only this (it mu
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,8 @@ from typing import Any
 from kvcd.core import state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
+
+log = logging.getLogger(__name__)
 
 
 def running_kernel(root: HostRoot) -> str:
@@ -96,6 +99,11 @@ class Record:
                 updated=time.time(),
             )
             rec.write(root)
+            log.error(
+                "degraded: %s",
+                rec.reason,
+                extra={"KVCD_INSTANCE": name, "KVCD_STATE": state.DEGRADED},
+            )
             return rec
 
     def write(self, root: HostRoot) -> None:
