@@ -118,7 +118,7 @@ def link_path(root: HostRoot, kernel: str, name: str) -> Path:
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with files.open_regular(path) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -261,7 +261,8 @@ def _normalized(path: Path) -> str:
     differs between a scratch tree and the real one); binary indexes compare byte for byte."""
     if path.name.endswith(".bin"):
         return sha256_file(path)
-    lines = sorted(path.read_bytes().splitlines())
+    with files.open_regular(path) as handle:
+        lines = sorted(handle.read().splitlines())
     return hashlib.sha256(b"\n".join(lines)).hexdigest()
 
 

@@ -84,7 +84,7 @@ def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
             return False
     except FileNotFoundError:
         return False
-    return f"extra/{instance}/" in dep.read_text()
+    return f"extra/{instance}/" in (files.read_text(dep) or "")
 
 
 def observe(root: HostRoot, d: Desired) -> Observed:

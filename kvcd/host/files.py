@@ -28,7 +28,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvcd.host.paths import OWN_DIRS
 
@@ -133,13 +133,11 @@ def _fsync_dir(directory: Path) -> None:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def read_bytes(path: Path) -> bytes | None:
-    """The content of a regular file of kvcd's own, None when it does not exist. Refused for a
-    symlink or a special file (without blocking on a FIFO)."""
+def open_regular(path: Path) -> BinaryIO:
+    """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
+    exist, Refused for a symlink or a special file (without blocking on a FIFO)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
     except OSError as exc:
         # ELOOP: the last component is a symlink; ENXIO: a socket; EACCES etc. stay OSError.
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK):
@@ -149,12 +147,21 @@ def read_bytes(path: Path) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Refused(path, describe(st.st_mode))
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The content of a regular file of kvcd's own, None when it does not exist (see
+    open_regular)."""
+    try:
+        handle = open_regular(path)
+    except FileNotFoundError:
+        return None
+    with handle:
+        return handle.read()
 
 
 def read_text(path: Path) -> str | None:
