@@ -170,7 +170,7 @@ class FileBackend(Backend):
                 on_change(view)
 
         # kvcd owns /var/lib/kvcd: create it so the watch never has to follow it appearing.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        files.ensure_dir(self.path.parent)
         observer = InotifyObserver()
         observer.schedule(_Handler(), str(self.path.parent), recursive=False)
         observer.daemon = True
