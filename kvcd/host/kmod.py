@@ -684,8 +684,9 @@ def _depmod_config(root: HostRoot) -> list[Path]:
         return [d for d in system if d.is_dir()]
     conf = depmod_conf(root)
     try:
-        current = conf.read_bytes()
-        mode = stat.S_IMODE(os.lstat(conf).st_mode)
+        with files.open_regular(conf) as handle:
+            current = handle.read()
+            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
     except FileNotFoundError:
         current, mode = None, None
     if (current, mode) != (DEPMOD_CONF.encode(), DEPMOD_CONF_MODE):
