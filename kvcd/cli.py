@@ -65,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         "unload", "unload the modules in reverse order and verify they are gone", dry_run=True
     )
     rl = instance_verb("reload", "ask the running kvcd@NAME to re-read its config and reconcile")
-    rl.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the result")
+    rl.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for the result (default: 1800, the unit's TimeoutStartSec)",
+    )
     st = sub.add_parser("status", help="state of every instance (or one)")
     st.add_argument("instance", metavar="NAME", nargs="?")
     st.add_argument("--json", action="store_true")
@@ -132,14 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _status(root: HostRoot, only: str | None, as_json: bool) -> int:
-    from kvcd.daemon.status import collect, render
+    from kvcd.daemon.status import collect, failed, render
 
     entries = collect(root, only)
     if as_json:
         print(json.dumps({"instances": entries}, indent=2, sort_keys=True))
     else:
         print(render(entries))
-    return EXIT_OK
+    return EXIT_FAILED if failed(entries) else EXIT_OK
 
 
 def _kernel(root: HostRoot, args: argparse.Namespace) -> str:

@@ -141,3 +141,25 @@ def write(path: Path, text: str, mode: int = 0o644) -> Path:
 def doc(*lines: str) -> str:
     """A file's text from its lines, so tables can say which line a row breaks."""
     return "\n".join(lines) + "\n"
+
+
+def pretend_daemon(root: HostRoot, name: str, monkeypatch: Any) -> int:
+    """Make this test process pass as `kvcd run NAME`: its pid in the pid file (with its real
+    start time) and its command line seen as kvcd's, so `kvcd reload` may signal it."""
+    import os
+
+    from kvcd.host import procs
+
+    pid = os.getpid()
+    procs.write_pid_file(root.pid_file(name), pid)
+    real = procs.inspect
+
+    def inspect(p: int) -> procs.ProcInfo | None:
+        info = real(p)
+        if info is None or p != pid:
+            return info
+        argv = ("/usr/bin/python3", "/usr/bin/kvcd", "--root", str(root.root), "run", name)
+        return procs.ProcInfo(p, argv, info.start, "", None)
+
+    monkeypatch.setattr(procs, "inspect", inspect)
+    return pid

@@ -43,6 +43,9 @@ NODE_UNAVAILABLE = "NodeUnavailable"
 DRAIN_PENDING = "DrainRequired"
 DRAIN_TIMEOUT = "DrainTimeout"
 REBOOT_PENDING = "RebootRequired"
+# A file of kvcd's own (the instance record, a drift record, the node file) did not parse and
+# was set aside, or is not a regular file; kvcd rebuilds what it can from the host.
+STATE_DAMAGED = "StateDamaged"
 REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
@@ -69,6 +72,7 @@ REASONS = (
     DRAIN_PENDING,
     DRAIN_TIMEOUT,
     REBOOT_PENDING,
+    STATE_DAMAGED,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

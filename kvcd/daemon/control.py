@@ -2,54 +2,70 @@
 
 from __future__ import annotations
 
-import os
+import logging
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.daemon.record import Record
-from kvcd.host import files, hooks
+from kvcd.host import files, hooks, procs
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run_inherit
 
+log = logging.getLogger(__name__)
+
+
+# `kvcd reload` waits this long for the daemon's answer unless told otherwise: the unit's
+# TimeoutStartSec=, the time systemd gives kvcd@NAME to settle a start (a reload reconciles the
+# same way: it may build an image).
+RELOAD_TIMEOUT = 30 * 60.0
+
 
 def daemon_pid(root: HostRoot, name: str) -> int | None:
-    text = files.read_text(root.pid_file(name))
+    """The pid of the live process proven to be kvcd@NAME, None when there is none."""
     try:
-        pid = int(text or "")
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError, PermissionError):
+        return procs.find_daemon(root, name).pid
+    except procs.NoDaemon:
         return None
-    return pid
 
 
-def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2) -> int:
+def request_reload(
+    root: HostRoot, name: str, timeout: float = RELOAD_TIMEOUT, poll: float = 0.2
+) -> int:
     """Ask the daemon to reload and wait for the outcome of *that* reload: 0 when it ends Done,
-    or Working on a wait for something outside kvcd (a drain answer, links); 1 when Degraded.
+    or Working on a wait for something outside kvcd (a drain answer, links); 1 when Degraded,
+    when no process is proven to be kvcd@NAME (nothing is signalled then), or after `timeout`.
 
     The request is a sequence number in /run/kvcd/<name>.reload, then SIGHUP; the daemon answers
     in <name>.reloaded with the newest number it read before reconciling. So a reconcile that
     was already running for another event (a file, a label) is never taken for this reload, and
     reloads that arrive together are answered together.
     """
-    pid = daemon_pid(root, name)
-    if pid is None:
-        print(
-            f"kvcd: kvcd@{name} is not running (no live pid in {root.pid_file(name)})",
-            file=sys.stderr,
-        )
+    try:
+        procs.find_daemon(root, name)  # before the request is written: refuse early and cleanly
+        request = root.reload_request(name)
+        with files.locked(request.with_name(request.name + ".lock")):
+            seq = _seq(_read_or_none(request)) + 1
+            files.write_json(request, {"seq": seq})
+        pid = procs.signal_daemon(root, name, signal.SIGHUP)
+    except procs.NoDaemon as exc:
+        print(f"kvcd: {exc}; nothing signalled", file=sys.stderr)
         return 1
-    request = root.reload_request(name)
-    with files.locked(request.with_name(request.name + ".lock")):
-        seq = _seq(files.read_json(request)) + 1
-        files.write_json(request, {"seq": seq})
-    os.kill(pid, signal.SIGHUP)
+    except OSError as exc:  # files.Refused / Damaged, or the runtime directory cannot be written
+        print(f"kvcd: {exc}", file=sys.stderr)
+        return 1
+    answer_path = root.reload_answer(name)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        answer = files.read_json(root.reload_answer(name))
+        try:
+            answer = files.read_json(answer_path)
+        except OSError as exc:
+            print(f"kvcd: {exc}", file=sys.stderr)
+            return 1
         if _seq(answer) >= seq and isinstance(answer, dict):
             st, reason = answer.get("state"), answer.get("reason", "")
             if st == state.DONE:
@@ -62,12 +78,25 @@ def request_reload(root: HostRoot, name: str, timeout: float, poll: float = 0.2)
                 return 0
             print(f"{name}: {st}: {reason}", file=sys.stderr)
             return 1
-        if daemon_pid(root, name) is None:
-            print(f"kvcd: kvcd@{name} exited during the reload", file=sys.stderr)
+        if daemon_pid(root, name) != pid:
+            print(f"kvcd: kvcd@{name} (pid {pid}) exited during the reload", file=sys.stderr)
             return 1
         time.sleep(poll)
-    print(f"kvcd: no reload result from kvcd@{name} after {timeout:.0f}s", file=sys.stderr)
+    print(
+        f"kvcd: kvcd@{name} (pid {pid}) did not answer reload request {seq} in {answer_path} "
+        f"within {timeout:.0f}s; it may still be reconciling (kvcd status {name})",
+        file=sys.stderr,
+    )
     return 1
+
+
+def _read_or_none(path: Path) -> object:
+    """A request file that does not parse is kvcd's own to replace: the next number is 1."""
+    try:
+        return files.read_json(path)
+    except files.Damaged as exc:
+        files.set_aside(path, exc)
+        return None
 
 
 def _seq(data: object) -> int:
@@ -76,8 +105,13 @@ def _seq(data: object) -> int:
 
 
 def reload_requested(root: HostRoot, name: str) -> int:
-    """The daemon's side: the newest reload number written so far (0: none)."""
-    return _seq(files.read_json(root.reload_request(name)))
+    """The daemon's side: the newest reload number written so far (0: none, or unreadable:
+    the reload is still done, and answered with the number the caller waits for or above)."""
+    try:
+        return _seq(files.read_json(root.reload_request(name)))
+    except OSError as exc:
+        log.warning("reload request unreadable: %s", exc)
+        return 0
 
 
 def answer_reload(root: HostRoot, name: str, seq: int, record: Record | None) -> None:

@@ -95,7 +95,10 @@ def main(argv: list[str]) -> int:
 
 
 def dependency_ready(root: HostRoot, name: str) -> tuple[bool, str]:
-    rec = Record.read(root, name)
+    try:  # another instance's record: read, never repaired (its own daemon sets it aside)
+        rec = Record.load(root, name)
+    except OSError as exc:
+        return False, f"{state.STATE_DAMAGED}: {exc}"
     if rec is None:
         return False, "never started"
     if rec.state != state.DONE or rec.goal != "loaded":

@@ -118,7 +118,7 @@ def link_path(root: HostRoot, kernel: str, name: str) -> Path:
 
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with files.open_regular(path) as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -164,6 +164,44 @@ def _expect_json(data: object) -> core.Expect | None:
         size=size if isinstance(size, int) else None,
         target=target if isinstance(target, str) and target else None,
     )
+
+
+def parse_baseline(path: Path, raw: bytes) -> dict[str, Any]:
+    """An instance's drift baseline: {"units": {path: fact}, "trees": {kernel: tree}}.
+    files.Damaged for anything else: a baseline that is not one would switch checks off."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict):
+        raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not a drift baseline")
+    for part in ("units", "trees"):
+        if part in data and not isinstance(data[part], dict):
+            raise files.Damaged(path, f"has {part!r} that is not an object")
+    return data
+
+
+def parse_depmod_record(path: Path, raw: bytes) -> dict[str, Any]:
+    """The node-wide record of a kernel's depmod indexes: {"kernel": K, "files": {name: fact}}."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise files.Damaged(path, 'is not a depmod record (no "files" object)')
+    return data
+
+
+def read_record(
+    path: Path,
+    parse: Callable[[Path, bytes], dict[str, Any]],
+    on_damaged: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """A drift record (None: none yet). A damaged one is set aside and reported through
+    `on_damaged`, then treated as absent: kvcd takes it again from its own manifests."""
+    raw = files.read_bytes(path)
+    if raw is None:
+        return None
+    try:
+        return parse(path, raw)
+    except files.Damaged as exc:
+        aside = files.set_aside(path, exc)
+        on_damaged(f"{exc.path} {exc.what}" + (f"; set aside as {aside.name}" if aside else ""))
+        return None
 
 
 def f_absent() -> core.Expect:
@@ -223,7 +261,8 @@ def _normalized(path: Path) -> str:
     differs between a scratch tree and the real one); binary indexes compare byte for byte."""
     if path.name.endswith(".bin"):
         return sha256_file(path)
-    lines = sorted(path.read_bytes().splitlines())
+    with files.open_regular(path) as handle:
+        lines = sorted(handle.read().splitlines())
     return hashlib.sha256(b"\n".join(lines)).hexdigest()
 
 
@@ -243,8 +282,10 @@ class Check:
         cfg: InstanceConfig,
         kernel: str,
         regenerate: Callable[[str], dict[str, tuple[str, int]] | None],
+        on_damaged: Callable[[str], None] = lambda _what: None,
     ) -> None:
         self.root = root
+        self.on_damaged = on_damaged
         self.cfg = cfg
         self.kernel = kernel
         self.regenerate = regenerate
@@ -253,8 +294,8 @@ class Check:
         self.watch_dirs: set[Path] = set()
         self.differences: list[core.Difference] = []  # found directly, not by comparison
         self.store: Path | None = None  # the active store tree, when the link is valid
-        data = files.read_json(baseline_path(root, cfg.name))
-        self.baseline: dict[str, Any] = data if isinstance(data, dict) else {}
+        data = read_record(baseline_path(root, cfg.name), parse_baseline, on_damaged)
+        self.baseline: dict[str, Any] = data or {}
 
     # module tree: the link and what it points at
     def _module_tree(self) -> None:
@@ -367,8 +408,8 @@ class Check:
             return []
         with kmod.tree_lock(self.root):  # no kvcd depmod runs while we look and compare
             now = depmod_outputs(kdir)
-            recorded = files.read_json(record_path)
-            rec = recorded.get("files") if isinstance(recorded, dict) else None
+            recorded = read_record(record_path, parse_depmod_record, self.on_damaged)
+            rec = recorded.get("files") if recorded is not None else None
             expected: dict[str, core.Expect] = {}
             if isinstance(rec, dict):
                 for name, data in rec.items():
@@ -517,6 +558,7 @@ class DriftMonitor(Extension):
         self._reload = False
         self._forced = False
         self.checks = 0  # how many full validations ran (tests, benchmarks)
+        self.damaged: list[str] = []  # drift records set aside since the last reconcile
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -675,7 +717,13 @@ class DriftMonitor(Extension):
 
     # --- checks (main thread) ----------------------------------------------------------
     def _check(self, ctx: Context) -> Check:
-        return Check(ctx.root, self.cfg, ctx.kernel, lambda k: self.regenerate(ctx.root, k))
+        return Check(
+            ctx.root,
+            self.cfg,
+            ctx.kernel,
+            lambda k: self.regenerate(ctx.root, k),
+            self.damaged.append,
+        )
 
     def validate(self, ctx: Context) -> list[core.Difference]:
         """One full re-validation of the instance (also the preflight before every change)."""
@@ -797,6 +845,11 @@ class DriftMonitor(Extension):
             self.drifted = reason
             self._held = True
             return Verdict(HOLD, state.DEGRADED, reason)
+        if self.damaged and not any(e.source in ("start", "signal") for e in events):
+            # A drift record was set aside: no changes on the monitor's own trigger, say so;
+            # the next trigger reconciles (StateDamaged is this monitor's own hold) and the
+            # after-step takes the baseline again. A start or a reload goes ahead at once.
+            return self._damaged_verdict()
         if self.drifted:
             log.info(
                 "drift resolved: the files match again",
@@ -822,7 +875,7 @@ class DriftMonitor(Extension):
         ):
             return None
         previous = Record.read(ctx.root, ctx.name)
-        ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED)
+        ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED, state.STATE_DAMAGED)
         if previous is None or previous.reason.startswith(ours):
             return None
         # Other sources' events reconcile as usual, except that file events never retry a
@@ -897,12 +950,20 @@ class DriftMonitor(Extension):
         except (OSError, kmod.KmodError) as exc:
             log.warning("drift: cannot take the baseline: %s", exc, extra=ctx.fields)
         self._write_status()
+        if self.damaged:
+            # Taken again above from kvcd's own manifests; until the next reconcile confirms
+            # it, the instance says a record was lost (what drifted meanwhile is not known).
+            return self._damaged_verdict()
         return None
+
+    def _damaged_verdict(self) -> Verdict:
+        detail = "; ".join(dict.fromkeys(self.damaged)) + "; drift records taken again"
+        self.damaged.clear()
+        return Verdict(HOLD, state.DEGRADED, state.reason_text(state.STATE_DAMAGED, detail))
 
     def _rebaseline(self, ctx: Context) -> None:
         path = baseline_path(ctx.root, ctx.name)
-        data = files.read_json(path)
-        old: dict[str, Any] = data if isinstance(data, dict) else {}
+        old: dict[str, Any] = read_record(path, parse_baseline, self.damaged.append) or {}
         units = old.get("units")
         if self._forced or not isinstance(units, dict):
             facts = self._check(ctx).unit_facts()

@@ -237,7 +237,7 @@ class Executor:
                 )
             modules[name] = {
                 "file": str(path.relative_to(dest)),
-                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "sha256": _sha256(path),
                 "mode": path.stat().st_mode & 0o7777,
                 "srcversion": _first(info, "srcversion"),
                 "version": _first(info, "version"),
@@ -366,3 +366,8 @@ class Executor:
         if failed:
             text += ("; " if text else "") + "rollback incomplete: " + "; ".join(failed)
         return text
+
+
+def _sha256(path: Path) -> str:
+    with files.open_regular(path) as handle:  # a module file kvcd extracted: never a FIFO
+        return hashlib.sha256(handle.read()).hexdigest()

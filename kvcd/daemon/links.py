@@ -44,7 +44,10 @@ def links_file(root: HostRoot, instance: str) -> Path:
 
 
 def read_links(root: HostRoot, instance: str) -> dict[str, Any] | None:
-    data = files.read_json(links_file(root, instance))
+    try:
+        data = files.read_json(links_file(root, instance))
+    except files.Damaged:  # a runtime note, rewritten by the next check
+        return None
     return data if isinstance(data, dict) else None
 
 

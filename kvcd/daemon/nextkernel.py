@@ -99,9 +99,8 @@ def detect(root: HostRoot) -> NextBoot:
 
 
 def _dep_lists(root: HostRoot, kernel: str, instance: str) -> bool:
-    try:
-        dep = (root.kernel_dir(kernel) / "modules.dep").read_text()
-    except FileNotFoundError:
+    dep = files.read_text(root.kernel_dir(kernel) / "modules.dep")
+    if dep is None:
         return False
     return f"extra/{instance}/" in dep or f"{kmod.WEAK_UPDATES}/{instance}/" in dep
 

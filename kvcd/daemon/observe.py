@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from kvcd.host import files, kmod, rpmostree
 from kvcd.host.paths import HostRoot
 
 MANIFEST = ".kvcd-manifest.json"
+
+log = logging.getLogger(__name__)
 
 
 def desired_for(cfg: InstanceConfig, kernel: str) -> Desired:
@@ -50,7 +53,11 @@ def store_dir(root: HostRoot, instance: str, version: str, kernel: str) -> Path:
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
-    data = files.read_json(directory / MANIFEST)
+    try:
+        data = files.read_json(directory / MANIFEST)
+    except files.Damaged as exc:  # an incomplete tree: the plan extracts it again
+        log.warning("%s", exc)
+        return None
     return data if isinstance(data, dict) else None
 
 
@@ -77,7 +84,7 @@ def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
             return False
     except FileNotFoundError:
         return False
-    return f"extra/{instance}/" in dep.read_text()
+    return f"extra/{instance}/" in (files.read_text(dep) or "")
 
 
 def observe(root: HostRoot, d: Desired) -> Observed:

@@ -5,21 +5,29 @@ Kept apart from the instance machinery so `kvcd status` imports only this (it mu
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
+from kvcd.core import state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
+log = logging.getLogger(__name__)
+
 
 def running_kernel(root: HostRoot) -> str:
-    text = files.read_text(root.osrelease)
+    text = files.read_host_text(root.osrelease)
     if not text or not text.strip():
         raise RuntimeError(f"cannot read the running kernel release from {root.osrelease}")
     return text.strip()
 
 
 def boot_id(root: HostRoot) -> str | None:
-    text = files.read_text(root.boot_id)
+    text = files.read_host_text(root.boot_id)
     return text.strip() if text else None
 
 
@@ -45,15 +53,80 @@ class Record:
     next_kernel_reason: str = ""
 
     @classmethod
-    def read(cls, root: HostRoot, name: str) -> Record | None:
-        data = files.read_json(root.state_file(name))
+    def parse(cls, path: Path, raw: bytes) -> Record:
+        """The record in `raw`; files.Damaged when it is not one (garbage, truncated JSON, a
+        field of the wrong type). Unknown keys are ignored (a newer kvcd may add some)."""
+        data = files.parse_json(path, raw)
         if not isinstance(data, dict):
-            return None
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+            raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not an object")
+        known: dict[str, Any] = {}
+        for name, f in cls.__dataclass_fields__.items():
+            if name not in data:
+                if name in ("instance", "state"):
+                    raise files.Damaged(path, f"has no {name!r}")
+                continue
+            value = data[name]
+            if not _FIELD_TYPES[str(f.type)](value):
+                raise files.Damaged(path, f"has {name!r} of the wrong type: {value!r:.40}")
+            known[name] = list(value) if name == "modules" else value
+        return cls(**known)
+
+    @classmethod
+    def load(cls, root: HostRoot, name: str) -> Record | None:
+        """The record as it is on disk (None: none yet); files.Damaged / files.Refused when it
+        cannot be used. For readers that change nothing (`kvcd status`)."""
+        path = root.state_file(name)
+        raw = files.read_bytes(path)
+        return None if raw is None else cls.parse(path, raw)
+
+    @classmethod
+    def read(cls, root: HostRoot, name: str) -> Record | None:
+        """The daemon's reader: a damaged record is set aside (`<name>.json.damaged-<time>`) and
+        replaced by a Degraded one whose reason says so (StateDamaged), which the next reconcile
+        replaces with what it finds on the host. files.Refused when the file is not a regular
+        file (kvcd does not remove what someone else put there)."""
         try:
-            return cls(**known)
-        except TypeError:
-            return None
+            return cls.load(root, name)
+        except files.Damaged as exc:
+            aside = files.set_aside(root.state_file(name), exc)
+            where = f"; set aside as {aside.name}" if aside else ""
+            rec = cls(
+                instance=name,
+                state=state.DEGRADED,
+                reason=state.reason_text(
+                    state.STATE_DAMAGED, f"{exc.path} {exc.what}{where}; rebuilding from the host"
+                ),
+                updated=time.time(),
+            )
+            rec.write(root)
+            log.error(
+                "degraded: %s",
+                rec.reason,
+                extra={"KVCD_INSTANCE": name, "KVCD_STATE": state.DEGRADED},
+            )
+            return rec
 
     def write(self, root: HostRoot) -> None:
         files.write_json(root.state_file(self.instance), asdict(self))
+
+
+def _opt(check: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_str(v: object) -> bool:
+    return isinstance(v, str)
+
+
+_FIELD_TYPES: dict[str, Callable[[object], bool]] = {
+    "str": _is_str,
+    "str | None": _opt(_is_str),
+    "int": _is_int,
+    "int | None": _opt(_is_int),
+    "float": lambda v: _is_int(v) or isinstance(v, float),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}

@@ -31,7 +31,7 @@ from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, V
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
-from kvcd.host import files
+from kvcd.host import files, procs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
 
@@ -253,7 +253,18 @@ class Service:
         Returns the final record, or None when the config is invalid or a step failed for good.
         Transient failures retry with backoff until a signal interrupts.
         """
-        events = events or []
+        try:
+            return self._reconcile(events or [])
+        except files.Refused as exc:
+            # A symlink or special file where kvcd keeps its own state: kvcd can record nothing,
+            # and does not remove what someone else put there. Say so and keep running: the next
+            # event (or a reload once it is fixed) tries again, no restart loop.
+            reason = state.reason_text(state.STATE_DAMAGED, str(exc))
+            log.error("degraded: %s", reason, extra=self.fields)
+            self.notify.status(f"{state.DEGRADED}: {reason}"[:200])
+            return None
+
+    def _reconcile(self, events: list[Event]) -> Record | None:
         attempt = 0
         while True:
             inst = self._instance()
@@ -309,7 +320,7 @@ class Service:
 
     def run(self) -> int:
         self._install()
-        files.atomic_write(self.root.pid_file(self.name), f"{os.getpid()}\n".encode())
+        procs.write_pid_file(self.root.pid_file(self.name), os.getpid())
         try:
             record = self.reconcile([Event("start", retry=True)])
             if record is None:

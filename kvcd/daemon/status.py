@@ -6,9 +6,11 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kvcd.config.loader import list_instances
+from kvcd.core import state
 from kvcd.daemon.record import Record, boot_id
 from kvcd.host import files, kmod
 from kvcd.host.paths import HostRoot
@@ -50,7 +52,11 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     prefix = _annotation_prefix(root)
     out = []
     for name in names:
-        rec = Record.read(root, name)
+        try:
+            rec = Record.load(root, name)
+        except OSError as exc:  # damaged, not a regular file, unreadable: say so, show the rest
+            out.append(_unreadable(name, exc))
+            continue
         entry: dict[str, Any] = (
             asdict(rec)
             if rec
@@ -90,15 +96,41 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
         entry["warnings"] = problems
         # The links the instance provides (expect_links; kvcd/daemon/links.py).
-        links = files.read_json(root.runtime / f"{name}.links.json")
+        links = _runtime_note(root.runtime / f"{name}.links.json", problems)
         if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
             entry["links"] = links
         # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
-        monitor = files.read_json(root.runtime / f"{name}.drift.json")
+        monitor = _runtime_note(root.runtime / f"{name}.drift.json", problems)
         if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
             entry["drift"] = monitor
         out.append(entry)
     return out
+
+
+def _unreadable(name: str, exc: OSError) -> dict[str, Any]:
+    """The entry of an instance whose record cannot be read: one clear line, `kvcd status`
+    exits 1. The daemon sets a damaged record aside and rebuilds it."""
+    text = str(exc) if isinstance(exc, files.FileError) else f"{exc.strerror or exc}"
+    return {
+        "instance": name,
+        "state": "Unknown",
+        "reason": state.reason_text(state.STATE_DAMAGED, text),
+        "unreadable": True,
+    }
+
+
+def _runtime_note(path: Path, problems: list[str]) -> Any:
+    """A runtime file a daemon writes for `kvcd status`; its problems become warnings."""
+    try:
+        return files.read_json(path)
+    except OSError as exc:
+        problems.append(str(exc) if isinstance(exc, files.FileError) else f"{path}: {exc}")
+        return None
+
+
+def failed(entries: list[dict[str, Any]]) -> bool:
+    """True when some instance's record could not be read (`kvcd status` exits 1)."""
+    return any(e.get("unreadable") for e in entries)
 
 
 def render(entries: list[dict[str, Any]]) -> str:

@@ -111,8 +111,8 @@ def _ids(directory: Path, vendor: str, device: str) -> tuple[str, ...]:
     except OSError:
         return ()
     for entry in entries:
-        v = files.read_text(entry / vendor)
-        d = files.read_text(entry / device)
+        v = files.read_host_text(entry / vendor)
+        d = files.read_host_text(entry / device)
         if v and d:
             found.add(f"{_hex4(v)}:{_hex4(d)}")
     return tuple(sorted(found))
@@ -145,12 +145,12 @@ def discover(
     `kernel`: describe that kernel release instead of the running one (preparing the kernel
     that boots next picks the variant for it)."""
     caps: Capabilities = {}
-    arch = files.read_text(root("/proc/sys/kernel/arch"))
+    arch = files.read_host_text(root("/proc/sys/kernel/arch"))
     if arch and arch.strip():
         caps["architecture"] = (architecture(arch.strip()),)
     elif root.root == Path("/"):
         caps["architecture"] = (architecture(os.uname().machine),)
-    release = kernel or files.read_text(root.osrelease)
+    release = kernel or files.read_host_text(root.osrelease)
     if release and release.strip():
         rel = release.strip()
         caps["kernel_release"] = (rel,)
@@ -158,7 +158,7 @@ def discover(
         if m:
             caps["kernel_version"] = (f"{m.group(1)}.{m.group(2)}",)
         caps["kernel_flavor"] = (kernel_flavor(rel),)
-    os_text = files.read_text(root("/etc/os-release")) or files.read_text(
+    os_text = files.read_host_text(root("/etc/os-release")) or files.read_host_text(
         root("/usr/lib/os-release")
     )
     if os_text:
@@ -172,7 +172,7 @@ def discover(
     boot_mode, sb = secure_boot(root)
     caps["boot_mode"] = (boot_mode,)
     caps["secure_boot"] = (sb,)
-    cpuinfo = files.read_text(root("/proc/cpuinfo"))
+    cpuinfo = files.read_host_text(root("/proc/cpuinfo"))
     if cpuinfo:
         flags = cpu_flags(cpuinfo)
         if flags:

@@ -1,60 +1,306 @@
-"""Small file primitives: atomic replace, per-instance locks. Every state file goes through here."""
+"""Small file primitives for kvcd's own files: atomic replace, locks, safe reads, setting aside.
+
+Every file kvcd keeps in its own directories (/var/lib/kvcd, /run/kvcd under any root: paths.py
+OWN_DIRS) is opened here, and nowhere else, because those directories are where a mistake or an
+attacker can leave a symlink or a FIFO where kvcd expects its state:
+
+- reads open with O_NOFOLLOW | O_NONBLOCK and fstat the result: anything but a regular file is
+  refused (a FIFO would block `kvcd status` forever, a symlink would read someone else's file);
+- writes create a temporary file with O_EXCL | O_NOFOLLOW in the same directory, write, fsync,
+  rename, fsync the directory: readers see the old or the new file whole, never a torn one;
+- the directories written into are checked first (lstat: a real directory, not a symlink, owned
+  by root or by the running uid), from kvcd's own base directory down.
+
+A refusal is `Refused`, a file that does not parse is `Damaged`: both are `FileError`, an OSError
+whose message is one line naming the path and what is wrong with it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
-import tempfile
+import secrets
+import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from kvcd.host.paths import OWN_DIRS
+
+log = logging.getLogger(__name__)
+
+
+class FileError(OSError):
+    """A file of kvcd's own that kvcd will not use as it is. str() is one line."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"{path}: {what}")
+        self.path = path
+        self.what = what
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+class Refused(FileError):
+    """Not something kvcd writes or reads there: a symlink, a FIFO, a foreign owner …"""
+
+
+class Damaged(FileError):
+    """A regular file whose content does not parse (truncated, garbage, wrong shape)."""
+
+
+_KINDS = (
+    (stat.S_ISLNK, "is a symlink"),
+    (stat.S_ISFIFO, "is a FIFO"),
+    (stat.S_ISSOCK, "is a socket"),
+    (stat.S_ISCHR, "is a character device"),
+    (stat.S_ISBLK, "is a block device"),
+    (stat.S_ISDIR, "is a directory"),
+)
+
+
+def describe(mode: int) -> str:
+    """What a file of this mode is, as the rest of a refusal ("is a FIFO")."""
+    for test, text in _KINDS:
+        if test(mode):
+            return text
+    return "is a regular file" if stat.S_ISREG(mode) else f"is of unknown type {mode:o}"
+
+
+def _lstat_describe(path: Path) -> str:
+    try:
+        return describe(os.lstat(path).st_mode)
+    except OSError as exc:
+        return f"cannot be inspected ({exc.strerror or exc})"
+
+
+# --- directories -------------------------------------------------------------------------------
+
+
+def _own_chain(directory: Path) -> list[Path]:
+    """The directories from kvcd's own base directory down to `directory` (just `directory`
+    when it lies outside them)."""
+    text = str(directory)
+    for own in OWN_DIRS:
+        at = text.find(own)
+        if at == -1:
+            continue
+        end = at + len(own)
+        if end != len(text) and text[end] != "/":
+            continue
+        base = Path(text[:end])
+        rest = Path(text[end:].lstrip("/"))
+        chain = [base]
+        for part in rest.parts:
+            chain.append(chain[-1] / part)
+        return chain
+    return [directory]
+
+
+def check_dir(directory: Path) -> None:
+    """Refused unless `directory` is a real directory (not a symlink) owned by root or us."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Refused(directory, describe(st.st_mode))
+    if st.st_uid not in (0, os.geteuid()):
+        raise Refused(directory, f"is owned by uid {st.st_uid}, not by root")
+
+
+def ensure_dir(directory: Path, mode: int = 0o755) -> None:
+    """Create `directory` (and kvcd's own directories above it) and check each of them."""
+    chain = _own_chain(directory)
+    chain[0].parent.mkdir(parents=True, exist_ok=True)
+    for d in chain:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode)
+        check_dir(d)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
+    exist, Refused for a symlink or a special file (without blocking on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        # ELOOP: the last component is a symlink; ENXIO: a socket; EACCES etc. stay OSError.
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK):
+            raise Refused(path, _lstat_describe(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(path, describe(st.st_mode))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The content of a regular file of kvcd's own, None when it does not exist (see
+    open_regular)."""
+    try:
+        handle = open_regular(path)
+    except FileNotFoundError:
+        return None
+    with handle:
+        return handle.read()
+
+
+def read_text(path: Path) -> str | None:
+    """A text file of kvcd's own (see read_bytes); Damaged when it is not UTF-8."""
+    raw = read_bytes(path)
+    if raw is None:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise Damaged(path, f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def parse_json(path: Path, raw: bytes) -> Any:
+    """The JSON value in `raw`; Damaged (naming `path`) when it is not JSON."""
+    try:
+        return json.loads(raw.decode())
+    except UnicodeDecodeError as exc:
+        raise Damaged(path, f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise Damaged(path, "is not valid JSON (nested too deeply)") from None
+    except ValueError as exc:
+        raise Damaged(path, f"is not valid JSON ({exc})") from None
+
+
+def read_json(path: Path) -> Any:
+    """The parsed file, or None when it does not exist. Damaged / Refused otherwise."""
+    raw = read_bytes(path)
+    return None if raw is None else parse_json(path, raw)
+
+
+def read_host_text(path: Path) -> str | None:
+    """A file of the host's (under /proc, /sys, /etc: not kvcd's own), following symlinks
+    (/etc/os-release is one); None when it does not exist or cannot be read."""
+    try:
+        return path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def _refuse_special(path: Path) -> None:
+    """kvcd replaces only its own regular files; anything else there was put there by someone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise Refused(path, describe(st.st_mode))
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """tmp + fsync + rename in the same directory, so readers see the old or the new file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """tmp (O_EXCL | O_NOFOLLOW) + write + fsync + rename + directory fsync, in the same
+    directory, so readers see the old or the new file whole; on any failure the temporary file
+    is removed and the old file stays."""
+    directory = path.parent
+    ensure_dir(directory)
+    _refuse_special(path)
+    tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _fsync_dir(directory)
 
 
 def write_json(path: Path, obj: Any, mode: int = 0o644) -> None:
     atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), mode)
 
 
-def read_json(path: Path) -> Any:
-    """The parsed file, or None when it does not exist."""
+def write_text(path: Path, text: str, mode: int = 0o644) -> None:
+    atomic_write(path, text.encode(), mode)
+
+
+def set_aside(path: Path, problem: Exception) -> Path | None:
+    """Rename a damaged file to `<name>.damaged-<timestamp>` beside it, so kvcd can rebuild it
+    and an admin can still read what it held. None when it is already gone (another reader
+    set it aside first)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while os.path.lexists(aside):
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}.{n}")
     try:
-        return json.loads(path.read_text())
+        os.rename(path, aside)
     except FileNotFoundError:
         return None
+    with contextlib.suppress(OSError):
+        _fsync_dir(path.parent)
+    log.error("%s set aside as %s: %s", path, aside.name, problem)
+    return aside
+
+
+# --- locks -------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path` (created if needed), held for the with-block."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """An exclusive flock on `path` (created if needed, never through a symlink), held for the
+    with-block."""
+    ensure_dir(path.parent)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        try:
+            fd = os.open(path, flags)
+            break
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:  # created by another kvcd between the two opens
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a dangling symlink appeared there
+                    raise Refused(path, "is a symlink") from None
+                raise
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EISDIR):
+                raise Refused(path, _lstat_describe(path)) from None
+            raise
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(path, describe(st.st_mode))
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
-
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None

@@ -42,7 +42,6 @@ every install and removal (see "the system tree" below).
 from __future__ import annotations
 
 import errno
-import fcntl
 import io
 import logging
 import os
@@ -55,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, ClassVar
 
-from kvcd.host import kmsg
+from kvcd.host import files, kmsg
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run, which
 
@@ -194,14 +193,8 @@ def tree_lock(root: HostRoot) -> Iterator[None]:
 
     depmod writes fixed ``<index>.tmp`` names, so two depmods on one tree must not overlap.
     """
-    lock = root.module_lock
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with files.locked(root.module_lock):
         yield
-    finally:
-        os.close(fd)
 
 
 # --- the module root ---------------------------------------------------------------------
@@ -218,14 +211,9 @@ def _replace_symlink(link: Path, target: Path) -> None:
 
 def _copy_if_changed(src: Path, dst: Path) -> None:
     data = src.read_bytes()
-    try:
-        if dst.read_bytes() == data:
-            return
-    except FileNotFoundError:
-        pass
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, dst)
+    if files.read_bytes(dst) == data:
+        return
+    files.atomic_write(dst, data)
 
 
 def prepare_kernel_tree(root: HostRoot, kernel: str, *, system: Path | None = None) -> Path:
@@ -452,7 +440,7 @@ def _install(root: HostRoot, kernel: str, link: Path, store_dir: Path) -> None:
                     dst = stage / src.relative_to(store_dir)
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(src, dst)  # content and mode; labels from /lib/modules
-            (stage / STORE_MARKER).write_text(f"{store_dir}\n")
+            files.write_text(stage / STORE_MARKER, f"{store_dir}\n")
             if link.is_symlink():
                 link.unlink()
             elif link.exists():
@@ -696,16 +684,13 @@ def _depmod_config(root: HostRoot) -> list[Path]:
         return [d for d in system if d.is_dir()]
     conf = depmod_conf(root)
     try:
-        current = conf.read_bytes()
-        mode = stat.S_IMODE(os.lstat(conf).st_mode)
+        with files.open_regular(conf) as handle:
+            current = handle.read()
+            mode = stat.S_IMODE(os.fstat(handle.fileno()).st_mode)
     except FileNotFoundError:
         current, mode = None, None
     if (current, mode) != (DEPMOD_CONF.encode(), DEPMOD_CONF_MODE):
-        conf.parent.mkdir(parents=True, exist_ok=True)
-        tmp = conf.with_name(f".{conf.name}.{os.getpid()}.tmp")
-        tmp.write_text(DEPMOD_CONF)
-        os.chmod(tmp, DEPMOD_CONF_MODE)
-        os.replace(tmp, conf)
+        files.atomic_write(conf, DEPMOD_CONF.encode(), DEPMOD_CONF_MODE)
     return [conf, *(d for d in system if d.is_dir())]
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+OWN_DIRS = ("/var/lib/kvcd", "/run/kvcd")
+"""kvcd's own directories (under any root): every file in them, and every directory below
+them, is opened through kvcd/host/files.py, which refuses symlinks and special files there."""
+
 
 @dataclass(frozen=True)
 class HostRoot:
@@ -54,7 +58,7 @@ class HostRoot:
     # --- state and runtime ---
     @property
     def state(self) -> Path:
-        return self("/var/lib/kvcd")
+        return self(OWN_DIRS[0])
 
     @property
     def module_root(self) -> Path:
@@ -84,7 +88,7 @@ class HostRoot:
 
     @property
     def runtime(self) -> Path:
-        return self("/run/kvcd")
+        return self(OWN_DIRS[1])
 
     def force_file(self, instance: str) -> Path:
         return self.runtime / f"{instance}.force"

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcd.host import kmod
+from kvcd.host import files, kmod
 from kvcd.host.paths import HostRoot
 
 
@@ -159,3 +159,226 @@ def describe_holders(root: HostRoot, modules: Iterable[str]) -> str:
         if u is not None and (u.refcnt > 0 or u.holders or u.processes):
             parts.append(u.describe())
     return "; ".join(parts)
+
+
+# --- the daemon of an instance: proven before it is signalled ----------------------------------
+#
+# A pid file is only a hint: the process it names may be gone and the number reused, or the file
+# may have been written by someone else. kvcd signals a pid only once the process is proven to be
+# `kvcd@NAME` (its cgroup names the unit, or its argv is exactly `kvcd … run NAME` for this root)
+# and, when the pid file recorded one, its start time is the one the daemon wrote down.
+
+
+class NoDaemon(Exception):
+    """No process proven to be kvcd@NAME; str() says why in one line. Nothing was signalled."""
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    pid: int
+    start: int | None  # the process's start time in clock ticks since boot; None: older format
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    argv: tuple[str, ...]
+    start: int | None  # clock ticks since boot (/proc/<pid>/stat), None when unreadable
+    cgroup: str  # the unified-hierarchy path ("" when unknown)
+    env_root: str | None  # the process's KVCD_ROOT
+
+
+def parse_pid_file(path: Path, raw: bytes) -> PidRecord:
+    """The pid file's content: {"pid": N, "start": T} (written by `kvcd run`) or the older bare
+    "N\\n". Damaged for anything else (0, negative numbers, garbage)."""
+    text = raw.decode("ascii", errors="replace").strip()
+    pid: object
+    start: object = None
+    if text.isdigit() and text.isascii():
+        pid = int(text)
+    else:
+        data = files.parse_json(path, raw)
+        pid = data.get("pid") if isinstance(data, dict) else data
+        start = data.get("start") if isinstance(data, dict) else None
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            raise files.Damaged(path, 'holds no pid (expected {"pid": N, "start": T})')
+        if start is not None and (
+            not isinstance(start, int) or isinstance(start, bool) or start < 0
+        ):
+            raise files.Damaged(path, f"holds a start time that is not a tick count: {start!r}")
+    assert isinstance(pid, int) and (start is None or isinstance(start, int))
+    if not 0 < pid < 1 << 22:  # Linux pid_max is at most 2^22
+        raise files.Damaged(path, f"holds {pid}, which is not a process id")
+    return PidRecord(pid, start)
+
+
+def read_pid_file(path: Path) -> PidRecord | None:
+    raw = files.read_bytes(path)
+    return None if raw is None else parse_pid_file(path, raw)
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    files.write_json(path, {"pid": pid, "start": start_time(pid)})
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22 of /proc/<pid>/stat): fixed
+    for the life of the process and, unlike a wall-clock time, untouched by clock steps."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # the command name may hold spaces and ')'
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def inspect(pid: int) -> ProcInfo | None:
+    """What kvcd needs to know of a live process to prove it is a daemon; None when it is gone.
+    Raises NoDaemon when it cannot be inspected at all."""
+    try:
+        import psutil
+    except ImportError:
+        raise NoDaemon("psutil is not installed: cannot prove which process a pid is") from None
+    try:
+        proc = psutil.Process(pid)
+        argv = tuple(proc.cmdline())
+        try:
+            env_root = proc.environ().get("KVCD_ROOT")
+        except psutil.AccessDenied:
+            env_root = None
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error as exc:
+        raise NoDaemon(f"cannot inspect pid {pid}: {exc}") from None
+    try:
+        cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    unified = [ln.split(":", 2)[2] for ln in cgroup.splitlines() if ln.startswith("0::")]
+    return ProcInfo(pid, argv, start_time(pid), unified[0] if unified else "", env_root)
+
+
+_PYTHON_FLAGS = frozenset({"-B", "-E", "-I", "-O", "-OO", "-P", "-q", "-s", "-S", "-u", "-b"})
+
+
+def kvcd_args(argv: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The arguments after the program when `argv` runs kvcd (`kvcd …`, `python [-flags]
+    /path/kvcd …`, `python [-flags] -m kvcd[.cli] …`); None when it does not run kvcd."""
+    if not argv:
+        return None
+    if os.path.basename(argv[0]) == "kvcd":
+        return argv[1:]
+    if not os.path.basename(argv[0]).startswith("python"):
+        return None
+    i = 1
+    while i < len(argv) and argv[i] in _PYTHON_FLAGS:
+        i += 1
+    if i + 1 < len(argv) and argv[i] == "-m" and argv[i + 1] in ("kvcd", "kvcd.cli"):
+        return argv[i + 2 :]
+    if i < len(argv) and os.path.basename(argv[i]) == "kvcd":
+        return argv[i + 1 :]
+    return None
+
+
+def run_instance(args: tuple[str, ...]) -> tuple[str | None, str] | None:
+    """(--root or None, NAME) when `args` are exactly kvcd's global options then `run NAME`."""
+    root: str | None = None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("-v", "--verbose"):
+            i += 1
+        elif a == "--root" and i + 1 < len(args):
+            root, i = args[i + 1], i + 2
+        elif a.startswith("--root="):
+            root, i = a.split("=", 1)[1], i + 1
+        else:
+            break
+    rest = args[i:]
+    if len(rest) == 2 and rest[0] == "run" and not rest[1].startswith("-"):
+        return root, rest[1]
+    return None
+
+
+def _unit_of(cgroup: str) -> str | None:
+    units = [part for part in cgroup.split("/") if part.endswith(".service")]
+    return units[-1] if units else None
+
+
+def why_not_daemon(root: HostRoot, name: str, rec: PidRecord, info: ProcInfo) -> str | None:
+    """None when `info` is proven to be kvcd@NAME of `root`; else why not (a short clause)."""
+    if rec.start is not None and info.start != rec.start:
+        return "it is not the process that wrote the pid file (another start time)"
+    unit = _unit_of(info.cgroup)
+    if unit == f"kvcd@{name}.service":
+        return None
+    if unit is not None and unit.startswith("kvcd@"):
+        return f"it runs in {unit}"
+    args = kvcd_args(info.argv)
+    parsed = run_instance(args) if args is not None else None
+    if parsed is None:
+        return f"its command line is {' '.join(info.argv) or '(none)'!r}, not `kvcd run {name}`"
+    proc_root, proc_name = parsed
+    if proc_name != name:
+        return f"it is `kvcd run {proc_name}`"
+    proc_root = proc_root or info.env_root or "/"
+    if os.path.realpath(proc_root) != os.path.realpath(root.root):
+        return f"it runs kvcd for root {proc_root}"
+    return None
+
+
+def find_daemon(root: HostRoot, name: str) -> ProcInfo:
+    """The live process proven to be kvcd@NAME (see why_not_daemon); NoDaemon otherwise."""
+    path = root.pid_file(name)
+    try:
+        rec = read_pid_file(path)
+    except files.FileError as exc:
+        raise NoDaemon(f"kvcd@{name}: {exc}") from None
+    except OSError as exc:
+        raise NoDaemon(f"kvcd@{name}: cannot read {path}: {exc.strerror or exc}") from None
+    if rec is None:
+        raise NoDaemon(f"kvcd@{name} is not running (no pid file {path})")
+    info = inspect(rec.pid)
+    if info is None:
+        raise NoDaemon(f"kvcd@{name} is not running (pid {rec.pid} in {path} is gone)")
+    why = why_not_daemon(root, name, rec, info)
+    if why is not None:
+        raise NoDaemon(f"pid {rec.pid} in {path} is not kvcd@{name}: {why}")
+    return info
+
+
+def signal_daemon(root: HostRoot, name: str, sig: int) -> int:
+    """Send `sig` to kvcd@NAME once it is proven; its pid. NoDaemon (nothing sent) otherwise.
+
+    The process is pinned with a pidfd before the proof, so the signal cannot reach a process
+    that took the number after the proof."""
+    import signal as signals
+
+    path = root.pid_file(name)
+    try:
+        rec = read_pid_file(path)
+    except files.FileError as exc:
+        raise NoDaemon(f"kvcd@{name}: {exc}") from None
+    if rec is None:
+        raise NoDaemon(f"kvcd@{name} is not running (no pid file {path})")
+    try:
+        pidfd = os.pidfd_open(rec.pid)
+    except ProcessLookupError:
+        raise NoDaemon(f"kvcd@{name} is not running (pid {rec.pid} in {path} is gone)") from None
+    except OSError:  # no pidfd (Linux < 5.3): the start time in the pid file stands in for it
+        find_daemon(root, name)
+        os.kill(rec.pid, sig)
+        return rec.pid
+    try:
+        info = find_daemon(root, name)
+        if info.pid != rec.pid:  # the pid file changed under us: start over next time
+            raise NoDaemon(f"kvcd@{name}: {path} changed while it was read")
+        signals.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        raise NoDaemon(f"kvcd@{name} exited before it could be signalled") from None
+    finally:
+        os.close(pidfd)
+    return rec.pid

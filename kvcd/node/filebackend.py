@@ -10,13 +10,14 @@ directory (watchdog), filtered to node.json.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvcd.core import state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, apply_patch, changes
@@ -26,6 +27,29 @@ log = logging.getLogger(__name__)
 
 def node_file(root: HostRoot) -> Path:
     return root.state / "node.json"
+
+
+def empty_node() -> dict[str, Any]:
+    return {"labels": {}, "annotations": {}, "generation": 0}
+
+
+def parse_node(path: Path, raw: bytes) -> dict[str, Any]:
+    """node.json's content; files.Damaged when it is not JSON or not the node file's shape.
+    Never guess over a damaged file: a label read wrong could unload a driver."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict):
+        raise files.Damaged(path, "must hold a JSON object")
+    for part in ("labels", "annotations"):
+        value = data.get(part, {})
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            raise files.Damaged(path, f"{part!r} must be an object of strings")
+        data[part] = value
+    generation = data.get("generation", 0)
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        raise files.Damaged(path, f"'generation' must be a count, not {generation!r:.40}")
+    return data
 
 
 class FileBackend(Backend):
@@ -39,26 +63,44 @@ class FileBackend(Backend):
         self._watch: Any = None
 
     # --- reading -------------------------------------------------------------------------------
-    def _load(self) -> dict[str, Any]:
+    def _parse(self, *, new_labels: bool = False) -> dict[str, Any]:
+        raw = files.read_bytes(self.path)
+        if raw is not None:
+            return parse_node(self.path, raw)
+        copies = sorted(p.name for p in self.path.parent.glob(self.path.name + ".damaged-*"))
+        if copies and not new_labels:
+            # No node file since one was set aside: "no labels" would be a guess (an absent
+            # version label unloads the driver). Until an admin sets the labels again (kvcd
+            # label) or removes the copy, the node store is unavailable: modules are kept.
+            raise Unavailable(
+                f"{state.STATE_DAMAGED}: {self.path} was damaged and set aside as {copies[-1]}; "
+                f"set the labels again with `kvcd label` (or remove the copy) to start anew"
+            )
+        return empty_node()
+
+    def _load(self, *, holding_lock: bool = False, new_labels: bool = False) -> dict[str, Any]:
         try:
-            data = files.read_json(self.path)
-        except json.JSONDecodeError as exc:
-            # Never guess over a corrupt file (someone edited it by hand): report and retry.
-            raise Unavailable(f"{self.path} is not valid JSON: {exc}") from None
-        except OSError as exc:
-            raise Unavailable(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        if data is None:
-            return {"labels": {}, "annotations": {}, "generation": 0}
-        if not isinstance(data, dict):
-            raise Unavailable(f"{self.path} must hold a JSON object")
-        for part in ("labels", "annotations"):
-            value = data.get(part, {})
-            if not isinstance(value, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-            ):
-                raise Unavailable(f"{self.path}: {part!r} must be an object of strings")
-            data[part] = value
-        return data
+            return self._parse(new_labels=new_labels)
+        except files.Damaged as exc:
+            # Set aside under the node lock (a writer may have just replaced it with a good one)
+            # and start again empty: the daemons write their annotations again; labels set with
+            # `kvcd label` are in the copy set aside and must be set again.
+            with contextlib.nullcontext() if holding_lock else files.locked(self.lock):
+                try:
+                    return self._parse(new_labels=new_labels)
+                except files.Damaged:
+                    aside = files.set_aside(self.path, exc)
+            where = f"; set aside as {aside.name}" if aside else ""
+            raise Unavailable(
+                f"{state.STATE_DAMAGED}: {exc}{where}; set the labels again with `kvcd label` "
+                "(or remove the copy) to start anew"
+            ) from None
+        except OSError as exc:  # files.Refused (a symlink, a FIFO …) or an I/O error
+            raise Unavailable(
+                str(exc)
+                if isinstance(exc, files.FileError)
+                else f"cannot read {self.path}: {exc.strerror or exc}"
+            ) from None
 
     def _view(self, data: Mapping[str, Any]) -> NodeView:
         return NodeView(
@@ -85,7 +127,7 @@ class FileBackend(Backend):
         nothing when nothing changes."""
         try:
             with files.locked(self.lock):
-                data = self._load()
+                data = self._load(holding_lock=True, new_labels=labels is not None)
                 view = self._view(data)
                 dirty = False
                 for part, change in (("labels", labels), ("annotations", annotations)):
@@ -128,7 +170,7 @@ class FileBackend(Backend):
                 on_change(view)
 
         # kvcd owns /var/lib/kvcd: create it so the watch never has to follow it appearing.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        files.ensure_dir(self.path.parent)
         observer = InotifyObserver()
         observer.schedule(_Handler(), str(self.path.parent), recursive=False)
         observer.daemon = True

@@ -156,15 +156,18 @@ def test_status_says_when_the_goal_was_to_unload(
 
 @pytest.mark.parametrize(("verb", "how"), [("load", "reload"), ("unload", "stop")])
 def test_load_and_unload_refuse_while_the_daemon_runs(
-    root: HostRoot, capsys: pytest.CaptureFixture[str], verb: str, how: str
+    root: HostRoot,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    verb: str,
+    how: str,
 ) -> None:
     """A hand-run load or unload behind a running kvcd@NAME would be drift to it; the CLI points
     to systemctl instead, and changes nothing (no record written)."""
     import os
 
     fakehost.write_config(root, "e2e", GOOD)
-    root.runtime.mkdir(parents=True, exist_ok=True)
-    root.pid_file("e2e").write_text(f"{os.getpid()}\n")
+    fakehost.pretend_daemon(root, "e2e", monkeypatch)
     assert run(root, verb, "e2e") == 1
     err = capsys.readouterr().err
     assert f"kvcd@e2e is running (pid {os.getpid()}" in err

@@ -1120,3 +1120,79 @@ def test_drift_goes_first_in_the_extension_set(host: HostRoot) -> None:
     cfg = load_instance(host, NAME)
     exts = extensions.build(cfg, Settings())
     assert isinstance(exts[0], drift.DriftMonitor)
+
+
+# --- damaged drift records: set aside, said (StateDamaged), taken again ----------------------
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"", b'{"units": {"/etc', b"\x00\xff", b"[]", b'{"units": []}', b'{"trees": "x"}'],
+    ids=["empty", "truncated", "binary", "list", "units-not-object", "trees-not-object"],
+)
+@pytest.mark.parametrize("which", ["baseline", "depmod-record"])
+def test_a_damaged_drift_record_is_set_aside_said_and_taken_again(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, garbage: bytes, which: str
+) -> None:
+    """Never a traceback, never drift detection silently off: the record is set aside, the
+    instance says Degraded StateDamaged, and the next check takes the record again and
+    converges to Done; drift is then detected as before."""
+    svc, _ = _service(host, monkeypatch)
+    rec = svc.reconcile([Event("start")])
+    assert rec is not None and rec.state == state.DONE
+    path = (
+        drift.baseline_path(host, NAME)
+        if which == "baseline"
+        else drift.depmod_record_path(host, K)
+    )
+    assert path.is_file()
+    path.write_bytes(garbage)
+    rec = svc.reconcile([Event(drift.SOURCE, "timer")])
+    assert rec is not None and rec.state == state.DEGRADED
+    assert rec.reason.startswith(f"StateDamaged: {path} ")
+    (aside,) = path.parent.glob(path.name + ".damaged-*")
+    assert aside.read_bytes() == garbage
+    assert aside.name in rec.reason
+    rec = svc.reconcile([Event(drift.SOURCE, "timer")])
+    assert rec is not None and (rec.state, rec.reason) == (state.DONE, "")
+    assert path.is_file() and json.loads(path.read_text())
+    ko = host.store(NAME) / "1.0" / K / "kvcd_user.ko"
+    ko.write_bytes(b"edited by hand")
+    rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
+    assert rec is not None and rec.reason.startswith(f"Drift: {ko}: content")
+    svc.stop_extensions()
+
+
+def test_a_damaged_instance_record_is_set_aside_and_rebuilt_from_the_host(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc, _ = _service(host, monkeypatch)
+    assert svc.reconcile([Event("start")]) is not None
+    host.state_file(NAME).write_bytes(b'{"instance": "e2e", "state": "Do')
+    caplog.set_level(logging.ERROR)
+    rec = svc.reconcile([Event("signal", "reload", retry=True)])
+    assert rec is not None and (rec.state, rec.reason) == (state.DONE, "")
+    (aside,) = host.state_file(NAME).parent.glob(f"{NAME}.json.damaged-*")
+    assert aside.read_bytes() == b'{"instance": "e2e", "state": "Do'
+    assert any("set aside as" in r.getMessage() for r in caplog.records)
+    assert any(
+        "StateDamaged:" in r.getMessage() and "rebuilding from the host" in r.getMessage()
+        for r in caplog.records
+    )
+    assert Record.read(host, NAME) == rec
+    svc.stop_extensions()
+
+
+def test_a_symlinked_instance_record_is_refused_without_a_traceback_or_a_write(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    svc, _ = _service(host, monkeypatch)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("{}")
+    host.state_file(NAME).parent.mkdir(parents=True, exist_ok=True)
+    host.state_file(NAME).unlink(missing_ok=True)
+    os.symlink(elsewhere, host.state_file(NAME))
+    assert svc.reconcile([Event("start")]) is None
+    assert elsewhere.read_text() == "{}"
+    assert host.state_file(NAME).is_symlink()
+    svc.stop_extensions()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,15 +54,67 @@ def test_a_write_that_changes_nothing_does_not_touch_the_file(root: HostRoot) ->
         ('{"annotations": []}', "'annotations' must be an object of strings"),
     ],
 )
-def test_a_bad_file_is_unavailable_never_overwritten(root: HostRoot, text: str, error: str) -> None:
+def test_a_bad_file_is_set_aside_never_overwritten(root: HostRoot, text: str, error: str) -> None:
+    """A damaged node file is kept beside (node.json.damaged-<time>), never overwritten or
+    guessed over: the read that finds it says so (StateDamaged, naming the copy); the next write
+    starts a new file, the daemons write their annotations again."""
     node_file(root).parent.mkdir(parents=True)
     node_file(root).write_text(text)
     fb = FileBackend(root, "n1")
-    with pytest.raises(Unavailable, match=error):
+    with pytest.raises(Unavailable, match=f"^StateDamaged: .*{re.escape(error)}.*set aside as "):
         fb.read()
-    with pytest.raises(Unavailable, match=error):
+    (aside,) = node_file(root).parent.glob("node.json.damaged-*")
+    assert aside.read_text() == text and not node_file(root).exists()
+    # No guess at "no labels" (an absent version label would unload the driver): daemons keep
+    # getting StateDamaged until an admin sets labels again (or removes the copy).
+    for attempt in (fb.read, lambda: fb.update(lambda _v: {"kvcd.io/i.state": "Done"})):
+        with pytest.raises(Unavailable, match=f"set aside as {aside.name}; set the labels again"):
+            attempt()
+    assert not node_file(root).exists()
+    view = fb.edit(labels=lambda _v: {"kvcd.io/version.i": "1.0"})
+    assert view.labels == {"kvcd.io/version.i": "1.0"}
+    view = fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
+    assert view.annotations == {"kvcd.io/i.state": "Done"}
+    assert view.labels == {"kvcd.io/version.i": "1.0"}
+
+
+def test_removing_the_damaged_copy_starts_an_empty_node_file(root: HostRoot) -> None:
+    node_file(root).parent.mkdir(parents=True)
+    node_file(root).write_text("{")
+    fb = FileBackend(root, "n1")
+    with pytest.raises(Unavailable):
+        fb.read()
+    for copy in node_file(root).parent.glob("node.json.damaged-*"):
+        copy.unlink()
+    assert fb.read().labels == {}
+
+
+def test_a_bad_file_met_by_a_writer_is_set_aside_without_deadlock(root: HostRoot) -> None:
+    """The writer holds the node lock when it finds the damage: it sets aside under that lock."""
+    node_file(root).parent.mkdir(parents=True)
+    node_file(root).write_text("{")
+    fb = FileBackend(root, "n1")
+    with pytest.raises(Unavailable, match=r"^StateDamaged: "):
         fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
-    assert node_file(root).read_text() == text
+    assert fb.edit(labels=lambda _v: {"a": "b"}).version == "1"
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [(lambda p: os.symlink("/etc/hostname", p), "is a symlink"), (os.mkfifo, "is a FIFO")],
+    ids=["symlink", "fifo"],
+)
+def test_a_node_file_that_is_not_a_file_is_refused_and_kept(
+    root: HostRoot, make: Any, what: str
+) -> None:
+    node_file(root).parent.mkdir(parents=True)
+    make(node_file(root))
+    fb = FileBackend(root, "n1")
+    with pytest.raises(Unavailable, match=f"^{re.escape(str(node_file(root)))}: {what}$"):
+        fb.read()
+    with pytest.raises(Unavailable, match=f"{what}$"):
+        fb.update(lambda _v: {"kvcd.io/i.state": "Done"})
+    assert os.path.lexists(node_file(root))
 
 
 class CountingBackend(FileBackend):

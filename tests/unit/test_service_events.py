@@ -328,8 +328,7 @@ def test_reload_waits_for_the_answer_to_its_own_request(
     must not be taken for the reload; only the daemon's answer with this request's number is."""
     from kvcd.daemon import control
 
-    host.runtime.mkdir(parents=True, exist_ok=True)
-    host.pid_file("e2e").write_text(f"{os.getpid()}\n")
+    fakehost.pretend_daemon(host, "e2e", monkeypatch)
     control.answer_reload(host, "e2e", 0, Record("e2e", state.DONE, version="1.0"))
 
     def daemon_side() -> None:
@@ -374,6 +373,7 @@ def test_reload_waits_for_the_answer_to_its_own_request(
 )
 def test_reload_exit_code_by_answer(
     host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     answer: Record,
     code: int,
@@ -384,8 +384,7 @@ def test_reload_exit_code_by_answer(
     and now waits on the cluster or the links is not a failed reload."""
     from kvcd.daemon import control
 
-    host.runtime.mkdir(parents=True, exist_ok=True)
-    host.pid_file("e2e").write_text(f"{os.getpid()}\n")
+    fakehost.pretend_daemon(host, "e2e", monkeypatch)
 
     def on_hup(_sig: int, _frame: Any) -> None:
         seq = control.reload_requested(host, "e2e")

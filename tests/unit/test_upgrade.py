@@ -138,7 +138,11 @@ def test_unreadable_node_holds_without_unloading(host: HostRoot) -> None:
     try:
         v = ext.verdict(ctx, [])
         assert v is not None and (v.verb, v.state) == (HOLD, "Working")
-        assert v.reason.startswith("NodeUnavailable") and "not valid JSON" in v.reason
+        assert v.reason.startswith("NodeUnavailable") and "StateDamaged" in v.reason
+        # Set aside by the first read: the next ones still hold, never read "no label" (unload).
+        v = ext.verdict(ctx, [])
+        assert v is not None and (v.verb, v.state) == (HOLD, "Working")
+        assert "set the labels again" in v.reason
     finally:
         ext.stop()
 
