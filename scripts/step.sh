@@ -9,7 +9,7 @@ if [ "${1:-}" = --report ]; then
     [ -f "$steps" ] || exit 0
     echo "== wall time per step =="
     awk '{printf "  %-14s %6s  %s %s\n", $1, $2, $3, $4; s += $2} END {printf "  %-14s %5ds\n", "total", s}' "$steps"
-    for t in out/e2e/e2e/times.txt; do
+    for t in out/e2e/e2e/times.txt out/e2e/e2e-[0-9]*/times.txt; do
         [ -f "$t" ] && { echo "== guest ($t) =="; grep -E '^(guest_build|payload|qemu_|guest: step_|guest: boot[0-9]+ (multi_user|entry))' "$t" | sed 's/^/  /'; }
     done
     exit 0
