@@ -39,3 +39,10 @@ def stale_kernel_trees(
     """kvcd's module-root trees (``modules/lib/modules/<kernel>/``) to remove: kernels no longer
     installed whose ``extra/`` and ``weak-updates/`` no instance links into any more."""
     return sorted(k for k in set(kernels) if k not in installed and k not in linked)
+
+
+def unconfigured(linked: Iterable[str], configured: Collection[str]) -> list[str]:
+    """Names in a module-root tree's ``extra/`` or ``weak-updates/`` that belong to no configured
+    instance: a removed instance's links would otherwise keep its modules resolvable, and
+    modprobe could pick them for another instance's module of the same name."""
+    return sorted({n for n in linked if not n.startswith(".")} - set(configured))

@@ -26,12 +26,12 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import state
 from kvcd.core.state import Backoff, StepFailed
-from kvcd.daemon import control, extensions
+from kvcd.daemon import control, extensions, storegc
 from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
-from kvcd.host import files, procs
+from kvcd.host import files, kmod, procs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
 
@@ -322,6 +322,10 @@ class Service:
         self._install()
         procs.write_pid_file(self.root.pid_file(self.name), os.getpid())
         try:
+            try:
+                storegc.collect_unconfigured(self.root, self.kernel, self.fields)
+            except (kmod.KmodError, OSError) as exc:  # the reconcile says what is wrong
+                log.warning("module root clean-up failed: %s", exc, extra=self.fields)
             record = self.reconcile([Event("start", retry=True)])
             if record is None:
                 if self._take(signal.SIGTERM, signal.SIGINT):

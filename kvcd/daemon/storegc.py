@@ -15,7 +15,8 @@ import shutil
 from contextlib import suppress
 from pathlib import Path
 
-from kvcd.config.model import InstanceConfig
+from kvcd.config.loader import list_instances
+from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import storegc
 from kvcd.daemon import drift
 from kvcd.host import files, kmod, rpmostree
@@ -106,3 +107,42 @@ def collect(
     for line in removed:
         log.info("store clean-up: removed %s", line, extra=fields)
     return removed
+
+
+def _links(kdir: Path) -> set[str]:
+    names: set[str] = set()
+    for sub in ("extra", kmod.WEAK_UPDATES):
+        with suppress(FileNotFoundError, NotADirectoryError):
+            names |= {e.name for e in os.scandir(kdir / sub) if e.is_symlink()}
+    return names
+
+
+def collect_unconfigured(root: HostRoot, kernel: str, fields: dict[str, str]) -> list[str]:
+    """Remove the links of instances that are no longer configured from kvcd's module-root tree
+    of `kernel` (and re-index it): their modules must not stay resolvable for another instance
+    that ships a module of the same name. Run when an instance's daemon starts. The system tree
+    (module_tree = "system") is left alone: there they are installed copies, not kvcd's links."""
+    if root.system_tree:
+        return []
+    try:
+        configured = list_instances(root)
+    except ConfigError as exc:  # cannot tell what is configured: remove nothing
+        log.warning("module root clean-up skipped: %s", exc, extra=fields)
+        return []
+    gone: list[str] = []
+    for name in storegc.unconfigured(_links(root.kernel_dir(kernel)), configured):
+        try:
+            kmod.deactivate(root, kernel, name)
+            kmod.unlink_weak_updates(root, kernel, name)
+        except (ValueError, kmod.KmodError, OSError) as exc:  # not a name kvcd links under
+            log.warning("module root: left %s in place: %s", name, exc, extra=fields)
+            continue
+        gone.append(name)
+        log.info(
+            "module root: removed the links of %s, which is no longer configured",
+            name,
+            extra=fields,
+        )
+    if gone:
+        kmod.depmod(root, kernel)  # takes the tree lock itself
+    return gone

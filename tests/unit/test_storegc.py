@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from kvcd.core.storegc import Tree, stale, stale_kernel_trees
+from kvcd.config.model import ConfigError
+from kvcd.core.storegc import Tree, stale, stale_kernel_trees, unconfigured
+from kvcd.daemon import storegc as gc
+from kvcd.host import kmod
+from kvcd.host.paths import HostRoot
+from tests import fakehost
 
 A, B, C = "6.1.0-56-amd64", "6.1.0-57-amd64", "6.1.0-58-amd64"
 
@@ -48,3 +57,62 @@ def test_kernel_tree_rule(
     kernels: list[str], installed: set[str], linked: set[str], gone: list[str]
 ) -> None:
     assert stale_kernel_trees(kernels, installed=installed, linked=linked) == gone
+
+
+@pytest.mark.parametrize(
+    ("linked", "configured", "gone"),
+    [
+        ({"a"}, {"a"}, []),
+        ({"a", "b"}, {"a"}, ["b"]),  # b's config was removed: its links go
+        ({"b", "c", "a"}, set(), ["a", "b", "c"]),
+        ({".system"}, set(), []),  # weak-updates/.system: the system's own, never an instance
+        (set(), {"a"}, []),
+        ({"a"}, {"a", "z"}, []),  # configured but never activated
+    ],
+)
+def test_unconfigured_links_rule(linked: set[str], configured: set[str], gone: list[str]) -> None:
+    assert unconfigured(linked, configured) == gone
+
+
+def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance whose config was removed keeps its extra/ and weak-updates/ links until the
+    next daemon start of any instance removes them and re-indexes, so modprobe can no longer
+    pick its module for another instance's module of the same name (the shadowing the guest
+    saw between e2e-dev and e2e-kmod, both shipping kvcd_base)."""
+    root = fakehost.fake_host(HostRoot(tmp_path), A, fake_commands, monkeypatch)
+    kdir = kmod.prepare_kernel_tree(root, A)
+    (kdir / kmod.WEAK_UPDATES).mkdir(exist_ok=True)
+    for name in ("kept", "gone"):
+        mods = ["kvcd_base" if name == "gone" else "x"]
+        store = fakehost.store_version(root, name, "1.0", A, mods)
+        kmod.activate(root, A, name, store)
+    (kdir / kmod.WEAK_UPDATES / "gone").symlink_to(root.store("gone") / "1.0" / A)
+    fakehost.write_config(root, "kept", 'version = "1.0"\nmodules = ["x"]\nimage = "i"\n')
+    kmod.depmod(root, A)
+    assert "extra/gone/kvcd_base.ko" in (kdir / "modules.dep").read_text()
+
+    removed = gc.collect_unconfigured(root, A, {})
+
+    assert removed == ["gone"]
+    assert sorted(os.listdir(kdir / "extra")) == ["kept"]
+    assert not (kdir / kmod.WEAK_UPDATES / "gone").is_symlink()
+    assert "kvcd_base" not in (kdir / "modules.dep").read_text()  # re-indexed
+    assert (root.store("gone") / "1.0" / A).is_dir()  # its store is not kvcd's to judge here
+    assert gc.collect_unconfigured(root, A, {}) == []  # nothing left: no second depmod
+
+
+def test_nothing_is_removed_when_the_configured_set_is_unknown(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = fakehost.fake_host(HostRoot(tmp_path), A, fake_commands, monkeypatch)
+    kdir = kmod.prepare_kernel_tree(root, A)
+    kmod.activate(root, A, "x", fakehost.store_version(root, "x", "1.0", A, ["m"]))
+
+    def unlisted(_root: HostRoot) -> list[str]:
+        raise ConfigError("/etc/kvcd/instances", "cannot list instances")
+
+    monkeypatch.setattr(gc, "list_instances", unlisted)
+    assert gc.collect_unconfigured(root, A, {}) == []
+    assert (kdir / "extra" / "x").is_symlink()

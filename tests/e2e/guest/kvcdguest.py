@@ -10,7 +10,8 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,25 @@ def request_reboot(kernel: str | None = None) -> None:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     (STATE_DIR / "reboot-request").write_text((kernel or os.uname().release) + "\n")
     print(f"reboot requested into {kernel or os.uname().release} after boot {boot_number()}")
+
+
+@contextmanager
+def core_instance_aside() -> Iterator[None]:
+    """Take the core scenarios' instance (e2e-kmod) off the node while a scenario file configures
+    another instance that ships modules of the same names: one owner per module, so e2e-kmod is
+    stopped, unloaded and its file moved aside (as an admin removes an instance), and put back
+    afterwards; kvcd removes a deconfigured instance's links from its module root itself."""
+    aside = STATE_DIR / "aside" / INSTANCE_FILE.name
+    sh(["systemctl", "stop", UNIT], check=False, timeout=600)
+    for mod in reversed(MODS):
+        if mod in proc_modules():
+            sh(["modprobe", "-r", mod], check=False)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(INSTANCE_FILE, aside)
+    try:
+        yield
+    finally:
+        os.replace(aside, INSTANCE_FILE)
 
 
 def image_ids() -> set[str]:

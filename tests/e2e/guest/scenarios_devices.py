@@ -29,6 +29,7 @@ import pytest
 from kvcdguest import (
     BUILD_TIMEOUT,
     DRIVER_DIR,
+    core_instance_aside,
     proc_modules,
     sh,
     wait_for,
@@ -87,15 +88,12 @@ def base_instance(requires: list[str], extra: str = "") -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def quiet_core_instance() -> Any:
-    """The core scenarios' instance also loads kvcd_base: stop it so these own the module."""
-    sh(["systemctl", "stop", "kvcd@e2e-kmod.service"], check=False, timeout=600)
-    for mod in ("kvcd_user", "kvcd_base"):
-        if mod in proc_modules():
-            sh(["modprobe", "-r", mod], check=False)
-    yield
-    for name in ("e2e-dev", "e2e-nodev", "e2e-dummy"):
-        sh(["systemctl", "stop", f"kvcd@{name}.service"], check=False, timeout=600)
-        (INSTANCES / f"{name}.toml").unlink(missing_ok=True)
+    """The core scenarios' instance also ships kvcd_base: off the node while these own it."""
+    with core_instance_aside():
+        yield
+        for name in ("e2e-dev", "e2e-nodev", "e2e-dummy"):
+            sh(["systemctl", "stop", f"kvcd@{name}.service"], check=False, timeout=600)
+            (INSTANCES / f"{name}.toml").unlink(missing_ok=True)
 
 
 def test_g1_present_device_loads() -> None:

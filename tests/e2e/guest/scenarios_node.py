@@ -13,7 +13,8 @@
      Drain_Required`); `kvcd annotate kvcd.io/drain-current=DrainComplete` plays the drain
      controller after the holder is gone; the change is applied and the request goes back to Idle.
 
-Uses its own instance (e2e-node) with the e2e driver's modules, so it stops kvcd@e2e-kmod first.
+Uses its own instance (e2e-node) with the e2e driver's modules, so e2e-kmod is taken off the node
+(stopped, its file moved aside) while it runs.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import pytest
 from kvcdguest import (
     BUILD_TIMEOUT,
     DRIVER_DIR,
-    INSTANCE,
     MODS,
     containerfile,
+    core_instance_aside,
     diagnose,
     kvcd_status,
     module_version,
@@ -95,38 +96,15 @@ def settle(*states: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def node_instance() -> Any:
-    sh(["systemctl", "stop", "kvcd@e2e-kmod.service"], check=False, timeout=600)
-    wait_for(lambda: not loaded(), 120, "e2e-kmod's modules to be unloaded")
-    # e2e-kmod, stopped, still links modules of the same names into kvcd's module root (after
-    # the core step): two providers, and modprobe may pick e2e-kmod's (kvcd refuses to load
-    # that, LoadFailed). Out of the way while this file runs, put back as it was after.
-    kmod_target = swap_link(INSTANCE, None)
-    sh(["kvcd", "label", f"{LABEL}-"])
-    write_instance("1.0")
-    yield
-    sh(["systemctl", "stop", UNIT], check=False, timeout=600)
-    sh(["rmmod", "kvcd_user"], check=False)
-    sh(["rmmod", "kvcd_base"], check=False)
-    CONF.unlink(missing_ok=True)
-    swap_link(NAME, None)
-    swap_link(INSTANCE, kmod_target)
-
-
-def swap_link(instance: str, target: str | None) -> str | None:
-    """Set (or, with None, remove) an instance's extra/ link in kvcd's module root and run
-    depmod as kvcd does, so the indexes (which the drift monitor checks) match the tree.
-    Returns what the link pointed at before."""
-    link = Path(f"/var/lib/kvcd/modules/lib/modules/{os.uname().release}/extra/{instance}")
-    before = os.readlink(link) if link.is_symlink() else None
-    if before == target:
-        return before
-    if before is not None:
-        link.unlink()
-    if target is not None:
-        link.symlink_to(target)
-    depmod = "from kvcd.host import kmod, paths; kmod.depmod(paths.HostRoot(), os.uname().release)"
-    sh(["python3", "-c", f"import os; {depmod}"])
-    return before
+    # e2e-kmod ships the same modules: one owner per module, so it is off the node meanwhile.
+    with core_instance_aside():
+        sh(["kvcd", "label", f"{LABEL}-"])
+        write_instance("1.0")
+        yield
+        sh(["systemctl", "stop", UNIT], check=False, timeout=600)
+        sh(["rmmod", "kvcd_user"], check=False)
+        sh(["rmmod", "kvcd_base"], check=False)
+        CONF.unlink(missing_ok=True)
 
 
 def test_n1_label_drives_ordered_upgrade() -> None:
