@@ -125,7 +125,9 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
     settle_done()
 
     good = INSTANCE_FILE.read_text()
-    INSTANCE_FILE.write_text(good + "\nno_such_key = 1\n")
+    # At the top, before any [table]: appended, the key would land in the file's last table
+    # ([params.kvcd_user]) and be a valid module parameter.
+    INSTANCE_FILE.write_text("no_such_key = 1\n" + good)
     try:
         p = sh(["systemctl", "reload", UNIT], check=False, timeout=600)
         assert p.returncode != 0, "a reload with an invalid config exited 0"
