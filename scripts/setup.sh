@@ -47,7 +47,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvcd-deps-$(sha256sum pyproject.toml | cut -c1-16)
-if [ ! -e "$stamp" ]; then
+# .venv/bin/kvcd too: a venv from before build-rpm.sh stopped touching it can have lost kvcd.
+if [ ! -e "$stamp" ] || [ ! -x .venv/bin/kvcd ]; then
   .venv/bin/pip install -q -U pip
   .venv/bin/pip install -q -e '.[dev]'
   rm -f .venv/.kvcd-deps-*
