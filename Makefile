@@ -1,6 +1,7 @@
 # kvcd developer targets. Every target sets the machine up first (scripts/setup.sh, idempotent).
 #   make check       what CI runs: lint, types, layer contracts, unit + integration tests, VM e2e
-#   make demo        boot the VM guest, start kvcd@e2e-kmod, print status/lsmod/journal, power off
+#   make demo        boot the VM guest, start kvcd@e2e-kmod; one screen: systemctl status, lsmod,
+#                    kvcd status, its journal (build output folded); full logs in out/e2e/demo
 #   make test        unit + integration tests (real podman, gcc, depmod, rpmbuild on this machine)
 #   make lint        ruff, mypy --strict, import-linter
 #   make rpm         build the RPMs into out/rpm and rpmlint them

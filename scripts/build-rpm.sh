@@ -10,7 +10,7 @@
 # On Fedora/RHEL the spec's own macros are used and the build dependencies must be installed
 # (dnf builddep rpm.spec). On a host without Fedora's macro packages (Debian: apt-get install
 # rpm rpmlint) the build loads packaging/rpm-fallback.macros, builds with $PYTHON (default:
-# the project's .venv python, which has setuptools, wheel, pytest and the runtime dependencies)
+# the project's .venv python, which has setuptools, pytest and the runtime dependencies)
 # and skips the rpmdb check of BuildRequires (--nodeps): nothing there is installed as an RPM.
 #
 #   --lint      run rpmlint on the built packages (fails on errors; warnings are printed)
@@ -60,8 +60,8 @@ if [ "$(rpm --eval '%{?pyproject_wheel:fedora}')" != fedora ]; then
   [ -x "$python" ] || python=$(command -v python3)
   # Absolute, but not resolved: a venv's python is a symlink to the interpreter it was made from.
   python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
-  if ! "$python" -c 'import setuptools, wheel, pytest' 2>/dev/null; then
-    echo "build-rpm: $python needs setuptools>=64, wheel and pytest (scripts/setup.sh)" >&2
+  if ! "$python" -c 'import sys, pytest, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+    echo "build-rpm: $python needs setuptools>=77 and pytest (scripts/setup.sh)" >&2
     exit 1
   fi
   args+=(--load "$repo/packaging/rpm-fallback.macros" --define "python3 $python")

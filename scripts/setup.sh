@@ -47,9 +47,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvcd-deps-$(sha256sum pyproject.toml | cut -c1-16)
-if [ ! -e "$stamp" ]; then
-  .venv/bin/pip install -q -U pip
-  .venv/bin/pip install -q -e '.[dev]'
+# .venv/bin/kvcd too: a venv from before build-rpm.sh stopped touching it can have lost kvcd.
+if [ ! -e "$stamp" ] || [ ! -x .venv/bin/kvcd ]; then
+  # setuptools' notes on every editable install are not news: the log keeps them, a failure shows them.
+  log=.venv/setup-pip.log
+  echo "setup: installing the project venv (.venv; log: $log)"
+  if ! { .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[dev]'; } >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "setup: pip install failed; the whole log is $log" >&2
+    exit 1
+  fi
   rm -f .venv/.kvcd-deps-*
   touch "$stamp"
 fi

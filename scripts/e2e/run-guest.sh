@@ -20,8 +20,10 @@
 #
 # OUT (default: <repo>/out/e2e/<mode>) then holds console.log, results/ (junit-guest.xml,
 # journal.txt, journal.export, dmesg.txt, kvcd-status.*, timings.txt, ...), times.txt.
-# Exit 0 when the guest ran to the end (test verdicts are in results/rc and the junit files),
-# 3 when the harness itself failed (no results: see console.log).
+# Exit 0 when the guest ran to the end (test verdicts are in results/rc and the junit files;
+# --mode demo: 1 when the demo failed in the guest), 3 when the harness itself failed (no
+# results: see console.log, or the step's log it names: guest-build.log, rpm.log, prebuilt.log).
+# Host steps write their output to those logs and print one line each.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,18 +55,18 @@ OUT=${OUT:-$REPO/out/e2e/$MODE}
 
 log() { printf '[run-guest %s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 3; }
+# A host step's output goes to its own log under OUT; a failure shows the log's end.
+step_failed() { # LOG MESSAGE
+    tail -n 30 "$1" >&2 || true
+    die "$2; the whole log is $1"
+}
+# A path as the user typed it: relative to the current directory when it is under it.
+show() { realpath -s --relative-base=. "$1"; }
 tools=(qemu-system-x86_64 qemu-img debugfs mkfs.ext4 timeout)
 [ "$INSTALL" = wheel ] || tools+=(rpm rpm2cpio cpio rpmbuild)
 for t in "${tools[@]}"; do
     command -v "$t" >/dev/null || die "missing tool: $t"
 done
-
-T0=$(date +%s)
-GUEST=$("$HERE/build-guest.sh" | tail -n 1)
-[ -f "$GUEST/.done" ] || die "guest build failed"
-T_BUILD=$(($(date +%s) - T0))
-KVER=$(cat "$GUEST/kver")
-KVER2=$(cat "$GUEST/kver2" 2>/dev/null || true)
 
 mkdir -p "$(dirname "$OUT")"
 exec 8>"$OUT.lock"
@@ -72,6 +74,14 @@ flock -n 8 || die "another run is using $OUT"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+
+T0=$(date +%s)
+log "guest image: reusing the cached one or building it (~4 min, once); log: $(show "$OUT/guest-build.log")"
+GUEST=$("$HERE/build-guest.sh" 2>"$OUT/guest-build.log" | tail -n 1) || GUEST=
+[ -n "$GUEST" ] && [ -f "$GUEST/.done" ] || step_failed "$OUT/guest-build.log" "the guest build failed"
+T_BUILD=$(($(date +%s) - T0))
+KVER=$(cat "$GUEST/kver")
+KVER2=$(cat "$GUEST/kver2" 2>/dev/null || true)
 P=$OUT/payload
 mkdir -p "$P/wheels" "$P/units" "$P/results"
 
@@ -93,7 +103,7 @@ if [ "$INSTALL" = rpm ]; then
     # in the guest is provably the package's payload, not the source tree.
     # --nocheck: `make check` runs the unit tests already.
     "$REPO/scripts/build-rpm.sh" --nocheck "$OUT/rpm" >"$OUT/rpm.log" 2>&1 ||
-        die "building the RPMs failed: see $OUT/rpm.log"
+        step_failed "$OUT/rpm.log" "building the RPMs failed"
     mkdir -p "$P/rpm/root"
     for rpmf in "$OUT"/rpm/*.noarch.rpm; do
         name=$(rpm -qp --qf '%{NAME}' "$rpmf")
@@ -108,7 +118,7 @@ if [ "$INSTALL" = rpm ]; then
         rpm -qp --qf '%{NEVRA}\n' "$rpmf" >"$P/rpm/$name.nevra"
     done
     [ -f "$P/rpm/kvcd.files.tsv" ] || die "no kvcd RPM in $OUT/rpm"
-    log "payload: $(cat "$P"/rpm/*.nevra | paste -sd' ')"
+    log "payload: $(cat "$P"/rpm/*.nevra | paste -sd' '); log: $(show "$OUT/rpm.log")"
 else
     # Build from a copy so no build/ or *.egg-info lands in the checkout; offline first, then
     # with build isolation (needs the PyPI mirror) when the local interpreter lacks `wheel`.
@@ -155,9 +165,10 @@ for k in $KVER $KVER2; do
         for v in 1.0 2.0 3.0; do
             "$REPO/scripts/build-test-kmods.sh" "$k" "$P/driver/prebuilt/$k/$v" "$v" \
                 >>"$OUT/prebuilt.log" 2>&1 ||
-                die "compiling the test modules for $k failed: $OUT/prebuilt.log"
+                step_failed "$OUT/prebuilt.log" "compiling the test modules for $k failed"
             rm -f "$P/driver/prebuilt/$k/$v/Module.symvers"
         done
+        log "test modules compiled for $k; log: $(show "$OUT/prebuilt.log")"
     else
         log "no linux-headers-$k on this host: scenarios compile for $k in the guest (slower)"
     fi
@@ -186,7 +197,7 @@ fi
 accel=${KVCD_E2E_ACCEL:-$accel}
 cpu=max
 [ "$accel" = kvm ] && cpu=host
-log "booting guest (kernel $KVER, accel $accel, mode $MODE, timeout ${TIMEOUT}s); console: $OUT/console.log"
+log "booting guest (kernel $KVER, accel $accel, mode $MODE, timeout ${TIMEOUT}s); console: $(show "$OUT/console.log")"
 
 # --- boot (again after each reboot the guest asks for) ----------------------------------------
 R=$OUT/results
@@ -200,7 +211,7 @@ while :; do
     boot=$((boot + 1))
     console=$OUT/console.log
     [ $boot -eq 1 ] || console=$OUT/console-boot$boot.log
-    log "boot $boot: kernel $boot_kver; console: $console"
+    [ $boot -eq 1 ] || log "boot $boot: kernel $boot_kver; console: $console"
     tb=$(date +%s)
     set +e
     timeout -k 10 "$TIMEOUT" qemu-system-x86_64 \
@@ -265,7 +276,8 @@ T_QEMU=$(($(date +%s) - T2))
     [ -n "$up" ] && [ -n "$last" ] && echo "shutdown_and_qemu_overhead_last_boot $(awk -v q="$last" -v u="$up" \
         'BEGIN{printf "%.0f", q-u}')s"
 } >"$OUT/times.txt"
-cat "$OUT/times.txt" >&2
+# The demo lists it with the other logs at the end, after what the guest showed.
+[ "$MODE" = demo ] || cat "$OUT/times.txt" >&2
 
 if [ ! -f "$R/done" ]; then
     log "guest did not finish (qemu rc $qrc)."
@@ -277,6 +289,16 @@ fi
 grc=$(cat "$R/rc" 2>/dev/null || echo '?')
 if [ "$MODE" = demo ] && [ -f "$R/demo.txt" ]; then
     cat "$R/demo.txt"
+    echo
+    log "demo finished in $(($(date +%s) - T0)) s (in-guest rc $grc). The whole logs:"
+    {
+        echo "  guest image build   $(show "$OUT/guest-build.log")"
+        echo "  RPM build           $(show "$OUT/rpm.log")"
+        echo "  guest console       $(show "$OUT/console.log")"
+        echo "  driver image build  $(show "$R/kvcd@e2e-kmod.service.journal.txt") (the instance's journal)"
+        echo "  guest journal       $(show "$R/journal.txt")"
+        echo "  timings             $(show "$OUT/times.txt")"
+    } >&2
 fi
 if [ "$MODE" = cmd ] && [ -f "$R/cmd.txt" ]; then
     cat "$R/cmd.txt"
@@ -285,5 +307,7 @@ log "guest finished, in-guest rc $grc; results: $R"
 if [ "$grc" != 0 ]; then
     log "console log: $OUT/console.log"
     log "guest journal: $R/journal.txt (export: $R/journal.export)"
+    # The e2e modes' verdicts are the junit files the host reads; the demo's is this rc.
+    [ "$MODE" != demo ] || exit 1
 fi
 exit 0

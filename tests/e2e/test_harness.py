@@ -12,6 +12,7 @@ what entry.sh asks of them (this host has no systemd).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcd.host import journal
 from tests.e2e.conftest import GuestRun, parse_results
 from tests.e2e.test_vm import guest_tests
 
@@ -274,3 +276,112 @@ def test_sharded_guests_boot_side_by_side_and_merge(
     ]
     assert "rc 3" in got.harness_error and "e2e-2" in got.harness_error
     assert "e2e-1" not in got.harness_error
+
+
+DEMO_FAKES = {
+    "systemctl": textwrap.dedent(
+        """\
+        echo "$*" >>"$FAKE_LOG/systemctl"
+        case "$1" in
+        start) exit "${FAKE_START_RC:-0}" ;;
+        status)
+            echo "● kvcd@e2e-kmod.service - kvcd kernel module delivery for e2e-kmod"
+            echo "     Active: active (running) since Wed 2026-11-25 02:16:49 UTC; 3s ago"
+            echo '     Status: "Done (loaded)"' ;;
+        esac
+        """
+    ),
+    "lsmod": 'printf "Module Size Used by\\nkvcd_user 16384 0\\nkvcd_base 16384 1 kvcd_user\\n"\n'
+    'echo "ext4 1 0"\n',
+    "kvcd": 'echo "e2e-kmod: Done (loaded)  version 1.0  kernel 6.1.0-e2e"\n'
+    'echo "  kvcd_base: loaded"\n',
+    "journalctl": 'case "$*" in *json*) cat "$FAKE_JOURNAL" ;;\n'
+    '*) echo "the whole journal" ;; esac\n',
+}
+
+
+def journal_json(build_lines: int, build_end: str) -> str:
+    def rec(msg: str, mid: str = "", ident: str = "kvcd") -> str:
+        r = {"__REALTIME_TIMESTAMP": "1795573708000000", "SYSLOG_IDENTIFIER": ident,
+             "_PID": "404", "MESSAGE": msg}  # fmt: skip
+        if mid:
+            r["MESSAGE_ID"] = mid
+        return json.dumps(r)
+
+    end = {"finished": journal.MSG_BUILD_FINISHED, "failed": journal.MSG_BUILD_FAILED}[build_end]
+    recs = [
+        rec("Starting kvcd@e2e-kmod.service...", ident="systemd"),
+        rec("step: build localhost/kvcd-e2e-kmod-1.0:6.1.0-e2e"),
+        rec("build of localhost/kvcd-e2e-kmod-1.0 started", journal.MSG_BUILD_STARTED),
+        *(rec(f"BUILD OUTPUT {i}") for i in range(build_lines)),
+        rec(f"build of localhost/kvcd-e2e-kmod-1.0 {build_end}", end),
+        rec("loaded kvcd_base", journal.MSG_LOADED),
+        rec("state Done (loaded)"),
+    ]
+    return "\n".join(recs) + "\n"
+
+
+def run_demo(
+    tmp_path: Path, *, start_rc: int = 0, build_end: str = "finished"
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    fakebin, results, log = (tmp_path / d for d in ("bin", "results", "log"))
+    for d in (fakebin, results, log):
+        d.mkdir()
+    for name, body in DEMO_FAKES.items():
+        p = fakebin / name
+        p.write_text("#!/bin/bash\n" + body)
+        p.chmod(0o755)
+    py = fakebin / "python3"
+    py.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    py.chmod(0o755)
+    (tmp_path / "journal.json").write_text(journal_json(400, build_end))
+    env = {
+        **os.environ,
+        "PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(GUEST.parents[2]),  # demo_journal.py imports kvcd, as in the guest
+        "FAKE_LOG": str(log),
+        "FAKE_JOURNAL": str(tmp_path / "journal.json"),
+        "FAKE_START_RC": str(start_rc),
+    }
+    p = subprocess.run(
+        ["bash", str(GUEST / "demo.sh"), str(results)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return p, results
+
+
+def test_demo_shows_the_four_sections_in_one_screen(tmp_path: Path) -> None:
+    p, results = run_demo(tmp_path)
+    out = p.stdout
+    assert p.returncode == 0, out + p.stderr
+    sections = [ln for ln in out.splitlines() if ln.startswith("===== ")]
+    assert sections == [
+        "===== systemctl status kvcd@e2e-kmod.service",
+        "===== lsmod | grep kvcd",
+        "===== kvcd status e2e-kmod",
+        "===== journalctl -u kvcd@e2e-kmod.service (image build output folded)",
+        "===== systemctl stop kvcd@e2e-kmod.service",
+    ]
+    assert '     Status: "Done (loaded)"' in out
+    assert "kvcd_base 16384 1 kvcd_user" in out and "ext4" not in out
+    assert "e2e-kmod: Done (loaded)  version 1.0  kernel 6.1.0-e2e" in out
+    # The journal: kvcd's own records, the 400 lines of build output as one line.
+    assert "... 400 lines of image build output ..." in out
+    assert "BUILD OUTPUT" not in out
+    assert "kvcd[404]: loaded kvcd_base" in out
+    assert len(out.splitlines()) <= 60, out
+    # The unit's status without its log lines (the journal section has them, folded).
+    assert (
+        "status kvcd@e2e-kmod.service --no-pager --full --lines=0"
+        in (tmp_path / "log" / "systemctl").read_text()
+    )
+    assert (results / "kvcd@e2e-kmod.service.journal.txt").read_text() == "the whole journal\n"
+
+
+def test_demo_failed_start_and_build_say_why(tmp_path: Path) -> None:
+    p, _results = run_demo(tmp_path, start_rc=1, build_end="failed")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "systemctl start kvcd@e2e-kmod.service: rc 1" in p.stdout
+    # A failed build shows its last lines, where the error is.
+    shown = [ln for ln in p.stdout.splitlines() if "BUILD OUTPUT" in ln]
+    assert [ln.rsplit(" ", 1)[1] for ln in shown] == [str(i) for i in range(390, 400)]

@@ -3,6 +3,8 @@
 One build per session (the unit tests run inside it, in %check): the file lists are compared
 with exactly what the tree should give, the scriptlets with the systemd macros' expansions,
 the payload with the tree's files, and rpmlint must report no errors (warnings are printed).
+The build runs with this interpreter (make setup's venv, where kvcd is installed in editable
+mode), whose environment must come out of it exactly as it went in.
 Without rpmbuild the module is skipped, unless CI is set: then that is a failure.
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,11 +36,36 @@ VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["versi
 SITELIB = re.compile(r"^/usr/lib/python3\.\d+/site-packages$")
 
 
+class PythonEnv(NamedTuple):
+    """What a build could change in the build python's environment (its venv)."""
+
+    distributions: frozenset[tuple[str, str]]
+    files: dict[str, tuple[int, int]]  # path -> (size, mtime_ns), under bin/ and site-packages
+
+
+def python_env() -> PythonEnv:
+    paths = sysconfig.get_paths()
+    roots = sorted({paths["scripts"], paths["purelib"], paths["platlib"]})
+    dists = frozenset((d.metadata["Name"], d.version) for d in metadata.distributions(path=roots))
+    files = {}
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            # Imports (this session's or anyone's) may write bytecode; a build must not do more.
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for name in [*dirnames, *filenames]:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                files[path] = (st.st_size, st.st_mtime_ns)
+    return PythonEnv(dists, files)
+
+
 class Built(NamedTuple):
     main: Path
     compat: Path
     srpm: Path
     seconds: float
+    env_before: PythonEnv
+    env_after: PythonEnv
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +77,35 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
             pytest.fail(f"{msg}, and CI is set")
         pytest.skip(msg)
     out = tmp_path_factory.mktemp("rpm")
+    # The build python is this one (scripts/build-rpm.sh's default is .venv/bin/python, which
+    # `make test` runs): the build reads its environment and must leave it as it was.
+    env = {**os.environ, "PYTHON": sys.executable}
+    before = python_env()
     start = time.monotonic()
-    done = run([str(REPO / "scripts/build-rpm.sh"), str(out)], check=False, timeout=900)
+    done = run([str(REPO / "scripts/build-rpm.sh"), str(out)], env=env, check=False, timeout=900)
     seconds = time.monotonic() - start
+    after = python_env()
     assert done.rc == 0, done.stderr
     sys.stderr.write(f"\nrpm build (with %check) took {seconds:.1f}s\n")
     (compat,) = out.glob("kvcd-kvc-compat-*.noarch.rpm")
     (main,) = set(out.glob("kvcd-*.noarch.rpm")) - {compat}
     (srpm,) = out.glob("kvcd-*.src.rpm")
-    yield Built(main, compat, srpm, seconds)
+    yield Built(main, compat, srpm, seconds, before, after)
+
+
+def test_build_leaves_the_build_python_environment_alone(built: Built) -> None:
+    scripts = Path(sysconfig.get_paths()["scripts"])
+    # The case that matters: kvcd itself is installed there (make setup: pip install -e), and
+    # a build that installs its wheel with that pip must not replace or remove it.
+    assert "kvcd" in {name for name, _version in built.env_before.distributions}, (
+        f"kvcd is not installed in {sys.prefix} (run scripts/setup.sh)"
+    )
+    assert str(scripts / "kvcd") in built.env_before.files, f"no {scripts}/kvcd (scripts/setup.sh)"
+    assert built.env_after.distributions == built.env_before.distributions
+    before, after = built.env_before.files, built.env_after.files
+    changed = {p for p in before.keys() & after.keys() if before[p] != after[p]}
+    assert (sorted(before.keys() - after.keys()), sorted(after.keys() - before.keys())) == ([], [])
+    assert sorted(changed) == []
 
 
 def rpmq(pkg: Path, *args: str) -> str:

@@ -131,8 +131,8 @@ e2e)
     done
     ;;
 demo)
-    bash "$G/demo.sh" 2>&1 | tee "$R/demo.txt"
-    note_rc $?
+    bash "$G/demo.sh" "$R" 2>&1 | tee "$R/demo.txt"
+    note_rc "${PIPESTATUS[0]}"
     ;;
 cmd)
     # run-guest.sh --mode cmd --cmd FILE: an ad-hoc script, for debugging the guest.
