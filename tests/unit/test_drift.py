@@ -850,6 +850,7 @@ def test_watch_limit_keeps_running_on_periodic_checks(
         x for x in caplog.records if getattr(x, "MESSAGE_ID", "") == journal.MSG_DRIFT_PERIODIC
     ]
     assert periodic and "periodic checks only" in periodic[0].getMessage()
+    host.pid_file(NAME).write_text(f"{os.getpid()}\n")  # as `kvcd run` does: it runs
     line = status.render(status.collect(host, NAME))
     assert (
         "drift: periodic checks only (inotify limit: inotify watch limit reached), every 120s"
@@ -860,11 +861,13 @@ def test_watch_limit_keeps_running_on_periodic_checks(
     v = mon.verdict(ctx, [Event(drift.SOURCE, "timer")])
     assert v is not None and v.verb == HOLD
     mon.stop()
-    assert "drift:" not in status.render(status.collect(host, NAME))
+    after = status.render(status.collect(host, NAME))
+    assert "drift: periodic" not in after and "drift: off (not started" in after
 
 
 def test_status_says_how_many_files_are_watched(host: HostRoot) -> None:
     r = Rig(host)
+    host.pid_file(NAME).write_text(f"{os.getpid()}\n")  # as `kvcd run` does: it runs
     out = status.render(status.collect(host, NAME))
     assert f"drift: watching {r.mon.files} files" in out
     # 2 modules + link + modules.dep + 00-kvcd.conf + 2 unit files + 1 drop-in
