@@ -1123,3 +1123,57 @@ def test_drift_goes_first_in_the_extension_set(host: HostRoot) -> None:
     cfg = load_instance(host, NAME)
     exts = extensions.build(cfg, Settings())
     assert isinstance(exts[0], drift.DriftMonitor)
+
+
+# --- udev module events: on, or off and why (drift.json, `kvcd status`) ----------------------
+
+
+class _Udev:
+    """A ModuleMonitor stand-in whose start() does what `outcome` says."""
+
+    def __init__(self, outcome: BaseException | None) -> None:
+        self.outcome = outcome
+
+    def __call__(self, _on_event: Any) -> _Udev:
+        return self
+
+    def start(self) -> None:
+        if self.outcome is not None:
+            raise self.outcome
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("udevd", "outcome", "line"),
+    [
+        (False, None, "udev module events: off (no udevd socket)"),
+        (True, None, "udev module events: on"),
+        (True, OSError(13, "Permission denied"), "udev module events: off ([Errno 13] Permission"),
+    ],
+    ids=["no-udevd", "on", "refused"],
+)
+def test_status_says_whether_udev_module_events_arrive(
+    host: HostRoot, udevd: bool, outcome: BaseException | None, line: str
+) -> None:
+    if udevd:
+        fakehost.write(host("/run/udev/control"), "")
+    cfg, settings = load_instance(host, NAME), load_settings(host)
+    mon = drift.DriftMonitor(cfg, settings, dirwatch=FakeWatch, udev=_Udev(outcome))
+    Rig.monitors.append(mon)
+    mon.start(Context(host, NAME, K, settings, cfg, lambda _e: None))
+    host.pid_file(NAME).write_text(f"{os.getpid()}\n")  # as `kvcd run` does: it runs
+    assert f"  {line}" in status.render(status.collect(host, NAME))
+
+
+def test_a_missing_udev_library_is_not_a_capability_turned_off(host: HostRoot) -> None:
+    """pyudev is required (kvcd run refuses to start without it): should it vanish anyway, the
+    monitor does not quietly run without module events."""
+    fakehost.write(host("/run/udev/control"), "")
+    cfg, settings = load_instance(host, NAME), load_settings(host)
+    gone = ModuleNotFoundError("No module named 'pyudev'")
+    mon = drift.DriftMonitor(cfg, settings, dirwatch=FakeWatch, udev=_Udev(gone))
+    Rig.monitors.append(mon)
+    with pytest.raises(ModuleNotFoundError):
+        mon.start(Context(host, NAME, K, settings, cfg, lambda _e: None))
