@@ -160,6 +160,14 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     from kvcd.daemon.instance import Instance
 
     verb = args.verb
+    if verb in ("check-config", "run"):
+        from kvcd.host import pylibs
+
+        try:  # a library kvcd needs is part of the installation, not a feature that may be off
+            pylibs.require_all()
+        except pylibs.Missing as exc:
+            print(f"kvcd: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if verb == "check-config":
         return _check_config(
             root, list_instances(root) if args.all else [args.instance], args.kernel
@@ -230,14 +238,15 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.config.model import ConfigError
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
+    from kvcd.daemon.observe import host_for
     from kvcd.daemon.record import running_kernel
+    from kvcd.host.pylibs import check_settings
 
+    settings = load_settings(root)
+    check_settings(root, settings)  # ConfigError: a setting needs a library that is missing
     if not names:
         print("no instances configured")
         return EXIT_OK
-    from kvcd.daemon.observe import host_for
-
-    settings = load_settings(root)
     root = host_for(root, settings)
     if kernel is None:
         try:

@@ -45,6 +45,8 @@ __all__ = [
     "parse_kvc_conf",
     "parse_settings_toml",
     "read_file",
+    "setting_line",
+    "settings_source",
 ]
 
 log = logging.getLogger(__name__)
@@ -209,12 +211,26 @@ def list_instances(root: ConfigLocations) -> list[str]:
     return sorted(names)
 
 
-def load_settings(root: ConfigLocations) -> Settings:
-    """Node-wide settings: /etc/kvcd/kvcd.toml, else the vendor's, else the defaults."""
+def settings_source(root: ConfigLocations) -> Path | None:
+    """The file the node-wide settings come from: /etc/kvcd/kvcd.toml, else the vendor's."""
     for path in (root.main_config, root.vendor / root.main_config.name):
         if os.path.lexists(path):
-            return parse_settings_toml(path, read_file(path))
-    return Settings()
+            return path
+    return None
+
+
+def load_settings(root: ConfigLocations) -> Settings:
+    """Node-wide settings: /etc/kvcd/kvcd.toml, else the vendor's, else the defaults."""
+    path = settings_source(root)
+    return Settings() if path is None else parse_settings_toml(path, read_file(path))
+
+
+def setting_line(path: Path, key: str) -> int | None:
+    """The line of a top-level key in an (already accepted) settings file, if known."""
+    try:
+        return KeyLines(read_file(path)).line(key)
+    except ConfigError:
+        return None
 
 
 def parse_instance_toml(name: str, path: Path | str, text: str) -> InstanceConfig:

@@ -549,6 +549,7 @@ class DriftMonitor(Extension):
         self.ctx: Context | None = None
         self.watch: Any = None
         self.udev: Any = None
+        self.udev_off = ""  # why module uevents are not heard ("" = they are)
         self.dirs: frozenset[Path] = frozenset()
         self.limited = ""  # why only periodic checks run ("" = inotify works)
         self.files = 0  # how many paths the last check validated
@@ -573,18 +574,23 @@ class DriftMonitor(Extension):
             log.warning("drift: first check: %s", exc, extra=ctx.fields)
         self.files = len(check.expected)
         self._watch_dirs(ctx, check.watch_dirs)
-        if self._udev_factory is not None and not udevd_running(ctx.root):
+        self.udev_off = ""
+        if self._udev_factory is None:
+            self.udev_off = "not used"
+        elif not udevd_running(ctx.root):
+            self.udev_off = "no udevd socket"
             log.info(
                 "drift: no udevd; module changes are noticed by the periodic check (every %ss)",
                 self.settings.drift_interval,
                 extra=ctx.fields,
             )
-        elif self._udev_factory is not None:
+        else:
             try:
                 self.udev = self._udev_factory(self.on_module_event)
                 self.udev.start()
-            except (ImportError, OSError) as exc:
+            except OSError as exc:  # pyudev is required (kvcd/host/pylibs.py): only udev refused
                 self.udev = None
+                self.udev_off = str(exc) or type(exc).__name__
                 log.warning(
                     "drift: no udev module events (%s); /sys/module is checked every %ss",
                     exc,
@@ -1007,6 +1013,7 @@ class DriftMonitor(Extension):
             "why": self.limited,
             "interval": self.settings.drift_interval,
             "udev": self.udev is not None,
+            "udev_off": "" if self.udev is not None else self.udev_off,
             "line": self.status_line(),
         }
         with contextlib.suppress(OSError):

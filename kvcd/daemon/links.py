@@ -84,6 +84,7 @@ class LinkReadiness(Extension):
         self.clock = clock
         self.timer_factory = timer_factory
         self.watch: Watch | None = None
+        self.watch_off = "not started"  # why no netlink events arrive ("" = they do)
         self.since: float | None = None  # when the current wait began
         self.timer: Any = None
         self.post: Callable[[Event], None] | None = None
@@ -94,8 +95,15 @@ class LinkReadiness(Extension):
         try:
             watch.start()
             self.watch = watch
+            self.watch_off = ""
         except Exception as exc:  # readiness is still checked on every reconcile and timeout
+            self.watch_off = str(exc) or type(exc).__name__
             log.warning("no netlink link events (%s)", exc, extra=ctx.fields)
+        self._write(ctx, read_links(ctx.root, ctx.name) or {"provided": [], "missing": []})
+
+    def _write(self, ctx: Context, data: dict[str, Any]) -> None:
+        """The runtime file `kvcd status` reads: the links, and whether link events arrive."""
+        files.write_json(links_file(ctx.root, ctx.name), {**data, "watch_off": self.watch_off})
 
     def stop(self) -> None:
         self._cancel()
@@ -126,18 +134,18 @@ class LinkReadiness(Extension):
         if not specs or not loaded:
             self.since = None
             self._cancel()
-            files.write_json(links_file(ctx.root, ctx.name), {"provided": [], "missing": []})
+            self._write(ctx, {"provided": [], "missing": []})
             return None
         try:
             seen = self.lister(ctx.root)
-        except (ImportError, OSError) as exc:  # no pyroute2, or netlink refused: say so
+        except OSError as exc:  # netlink refused: say so
             self._cancel()
             return Verdict(
                 HOLD, state.DEGRADED, state.reason_text(state.LINKS_MISSING, f"cannot list: {exc}")
             )
         missing, provided = links_ready(specs, seen)
-        files.write_json(
-            links_file(ctx.root, ctx.name),
+        self._write(
+            ctx,
             {
                 "provided": [
                     {"name": link.name, "driver": link.driver, "up": link.up} for link in provided

@@ -405,6 +405,15 @@ class NextKernel(Extension):
         return dirs
 
     def start(self, ctx: Context) -> None:
+        if rpmostree.is_ostree_host(ctx.root):
+            missing = rpmostree.dbus_missing()
+            if missing is not None:  # a real alternative, said once here and in `kvcd status`
+                log.info(
+                    "next kernel: %s; asking `rpm-ostree status --json` instead",
+                    missing,
+                    extra=ctx.fields,
+                )
+
         def changed(path: Path) -> None:  # watcher thread: only a flag and a post
             if relevant(ctx.root, path):
                 self.dirty = True

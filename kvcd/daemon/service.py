@@ -31,7 +31,7 @@ from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, V
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
-from kvcd.host import files, kmod, procs
+from kvcd.host import files, kmod, procs, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
 
@@ -133,6 +133,7 @@ class Service:
         self.config_invalid = False
         try:
             settings = load_settings(self.root)
+            pylibs.check_settings(self.root, settings)
             root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
         except ConfigError as exc:

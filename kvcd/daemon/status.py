@@ -5,15 +5,19 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvcd.config.loader import list_instances
+from kvcd.config.loader import list_instances, load_instance, load_settings
+from kvcd.config.model import ConfigError, Settings
 from kvcd.core import state
+from kvcd.daemon.control import daemon_pid
 from kvcd.daemon.record import Record, boot_id
-from kvcd.host import files, kmod
+from kvcd.host import files, kmod, pylibs
 from kvcd.host.paths import HostRoot
+from kvcd.host.rpmostree import is_ostree_host
 from kvcd.node.keys import stem
 
 
@@ -24,14 +28,95 @@ def _recorded_names(root: HostRoot) -> set[str]:
     return {p.stem for p in base.glob("*.json")}
 
 
-def _annotation_prefix(root: HostRoot) -> str:
-    from kvcd.config.loader import load_settings
-    from kvcd.config.model import ConfigError, Settings
-
+def _settings(root: HostRoot) -> Settings:
     try:
-        return load_settings(root).annotation_prefix
+        return load_settings(root)
     except ConfigError:
-        return Settings().annotation_prefix
+        return Settings()
+
+
+def _expect_links(root: HostRoot, name: str) -> bool | None:
+    """Whether the instance's config asks for links (None: it cannot be read)."""
+    try:
+        return bool(load_instance(root, name).expect_links)
+    except ConfigError:
+        return None
+
+
+# Capability -> its label in `kvcd status`, in the order shown.
+CAPABILITY_LABELS = {
+    "drift": "drift",
+    "udev": "udev module events",
+    "holders": "holder checks",
+    "links": "links",
+    "node_backend": "node backend",
+    "rpm_ostree": "rpm-ostree",
+}
+
+
+def _cap(on: bool, detail: str = "") -> dict[str, Any]:
+    return {"on": on, "detail": detail}
+
+
+def capabilities(
+    root: HostRoot,
+    name: str,
+    settings: Settings,
+    running: bool,
+    importer: pylibs.Importer = importlib.import_module,
+) -> dict[str, dict[str, Any]]:
+    """What this instance's `kvcd run` can do, and why not where it cannot.
+
+    From the runtime files the daemon writes while it runs (drift.json, links.json), the
+    settings and the instance's config, and for libraries what imports here: the daemon is the
+    same installation (and refuses to start without a required library).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    not_running = f"kvcd@{name} is not running"
+    monitor = files.read_json(root.runtime / f"{name}.drift.json") if running else None
+    if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
+        out["drift"] = _cap(True, monitor["line"])
+        why = monitor.get("udev_off")
+        out["udev"] = (
+            _cap(True) if monitor.get("udev") else _cap(False, str(why or "no module events"))
+        )
+    else:  # a monitor that did not start logged why (service.py)
+        out["drift"] = out["udev"] = _cap(
+            False, f"not started, see journalctl -u kvcd@{name}" if running else not_running
+        )
+    psutil = pylibs.import_error(pylibs.PSUTIL, importer)
+    out["holders"] = _cap(True) if psutil is None else _cap(False, f"psutil: {psutil}")
+    expects = _expect_links(root, name)
+    links = files.read_json(root.runtime / f"{name}.links.json") if running else None
+    if expects is False:
+        out["links"] = _cap(False, "instance has no expect_links")
+    elif expects is None:
+        out["links"] = _cap(False, "its config cannot be read")
+    elif not running:
+        out["links"] = _cap(False, not_running)
+    elif not isinstance(links, dict) or links.get("watch_off") is None:
+        out["links"] = _cap(False, "not started")
+    elif links["watch_off"]:
+        off = links["watch_off"]
+        out["links"] = _cap(True, f"checked on each reconcile, no link events ({off})")
+    else:
+        out["links"] = _cap(True, "netlink link events")
+    refused = pylibs.settings_problems(settings, importer)
+    out["node_backend"] = (
+        _cap(False, refused[0][1]) if refused else _cap(True, settings.node_backend)
+    )
+    if is_ostree_host(root):
+        dbus = pylibs.setting_problem("rpm-ostree D-Bus", pylibs.RPMOSTREE_DBUS, importer)
+        out["rpm_ostree"] = _cap(True, "D-Bus" if dbus is None else f"CLI ({dbus})")
+    return out
+
+
+def render_capability(key: str, cap: dict[str, Any]) -> str:
+    label = CAPABILITY_LABELS.get(key, key)
+    detail = str(cap.get("detail") or "")
+    if not cap.get("on"):
+        return f"{label}: off ({detail})" if detail else f"{label}: off"
+    return f"{label}: {detail}" if detail else f"{label}: on"
 
 
 def _processes(root: HostRoot, module: str) -> list[str]:
@@ -49,7 +134,8 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     if only is not None:
         names = [only]
     current_boot = boot_id(root)
-    prefix = _annotation_prefix(root)
+    settings = _settings(root)
+    prefix = settings.annotation_prefix
     out = []
     for name in names:
         try:
@@ -103,6 +189,8 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         monitor = _runtime_note(root.runtime / f"{name}.drift.json", problems)
         if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
             entry["drift"] = monitor
+        running = daemon_pid(root, name) is not None
+        entry["capabilities"] = capabilities(root, name, settings, running)
         out.append(entry)
     return out
 
@@ -161,8 +249,8 @@ def render(entries: list[dict[str, Any]]) -> str:
                 lines.append(f"  {mod}: loaded (refcnt {v['refcnt']}{held})")
             else:
                 lines.append(f"  {mod}: not loaded")
-        if e.get("drift"):
-            lines.append(f"  drift: {e['drift']['line']}")
+        for key, cap in (e.get("capabilities") or {}).items():
+            lines.append(f"  {render_capability(key, cap)}")
         for link in (e.get("links") or {}).get("provided") or []:
             updown = "up" if link.get("up") else "down"
             lines.append(f"  link {link.get('name')}: driver {link.get('driver')}, {updown}")

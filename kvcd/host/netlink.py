@@ -58,9 +58,9 @@ def _sysfs_driver(root: HostRoot, name: str) -> str | None:
 def _ethtool_driver(name: str, netns: str | None) -> str | None:
     if netns is not None:  # the ioctl would ask the wrong namespace
         return None
-    try:
-        from pyroute2.ethtool.ioctl import IoctlEthtool
+    from pyroute2.ethtool.ioctl import IoctlEthtool
 
+    try:
         eth = IoctlEthtool(name)
         try:
             info = eth.get_drvinfo()
@@ -68,7 +68,7 @@ def _ethtool_driver(name: str, netns: str | None) -> str | None:
             return str(driver) or None
         finally:
             eth.close()
-    except Exception:  # no ethtool support on this link (lo), or the ioctl module is missing
+    except Exception:  # no ethtool support on this link (lo)
         return None
 
 

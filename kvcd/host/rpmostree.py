@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcd.host import pylibs
 from kvcd.host.bootloader import NextBoot, valid_kernel
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run
@@ -116,13 +117,19 @@ def next_deployment(deployments: Sequence[Deployment]) -> Deployment | None:
     return deployments[0] if deployments else None
 
 
+def dbus_missing() -> str | None:
+    """Why the D-Bus API cannot be asked from this process (None: pydbus and PyGObject import).
+    Then the rpm-ostree CLI answers instead: logged at start, shown by `kvcd status`."""
+    return pylibs.setting_problem("rpm-ostree D-Bus", pylibs.RPMOSTREE_DBUS)
+
+
 def deployments_dbus(bus_address: str | None = None) -> list[dict[str, Any]]:
     """The Sysroot's ``Deployments`` property over D-Bus (system bus, or `bus_address`)."""
     try:
         import pydbus
-    except ImportError as exc:  # pydbus or PyGObject missing: the CLI still answers
-        raise RpmOstreeError(f"pydbus is not installed: {exc}") from exc
-    from gi.repository import GLib
+        from gi.repository import GLib
+    except ImportError:  # optional (kvcd/host/pylibs.py): the CLI answers the same
+        raise RpmOstreeError(dbus_missing() or "no D-Bus client") from None
 
     try:
         bus = pydbus.connect(bus_address) if bus_address else pydbus.SystemBus()

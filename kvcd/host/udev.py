@@ -61,7 +61,7 @@ class ModuleMonitor:
         self._observer: Any = None
 
     def start(self) -> None:
-        """Start the observer thread; raises OSError (or ImportError) when udev is unusable."""
+        """Start the observer thread; raises OSError when udev is unusable."""
         import pyudev
 
         context = self._factory() if self._factory is not None else pyudev.Context()

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from kvcd.host import pylibs
 from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ class KubeBackend(Backend):
             return self._api
         try:
             from kubernetes import client, config
-        except ImportError as exc:
-            raise Unavailable(f"the kubernetes client is not installed: {exc}") from None
+        except ImportError as exc:  # `kvcd run` refuses this at start; `kvcd label` gets here
+            raise Unavailable(
+                f'node_backend = "kubernetes" needs {pylibs.KUBERNETES.named()}: {exc}'
+            ) from None
         cfg = client.Configuration()
         try:
             if self.kubeconfig:

@@ -833,7 +833,7 @@ def test_dirwatch_start_raises_watchlimit(tmp_path: Path, err: int) -> None:
 
 
 def test_watch_limit_keeps_running_on_periodic_checks(
-    host: HostRoot, caplog: pytest.LogCaptureFixture
+    host: HostRoot, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def limited(dirs: list[Path], cb: Callable[[Path], None], **kw: Any) -> DirWatch:
         return DirWatch(dirs, cb, observer_factory=LimitedObserver, **kw)
@@ -850,6 +850,7 @@ def test_watch_limit_keeps_running_on_periodic_checks(
         x for x in caplog.records if getattr(x, "MESSAGE_ID", "") == journal.MSG_DRIFT_PERIODIC
     ]
     assert periodic and "periodic checks only" in periodic[0].getMessage()
+    fakehost.pretend_daemon(host, NAME, monkeypatch)  # as `kvcd run` does: it runs
     line = status.render(status.collect(host, NAME))
     assert (
         "drift: periodic checks only (inotify limit: inotify watch limit reached), every 120s"
@@ -860,11 +861,15 @@ def test_watch_limit_keeps_running_on_periodic_checks(
     v = mon.verdict(ctx, [Event(drift.SOURCE, "timer")])
     assert v is not None and v.verb == HOLD
     mon.stop()
-    assert "drift:" not in status.render(status.collect(host, NAME))
+    after = status.render(status.collect(host, NAME))
+    assert "drift: periodic" not in after and "drift: off (not started" in after
 
 
-def test_status_says_how_many_files_are_watched(host: HostRoot) -> None:
+def test_status_says_how_many_files_are_watched(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r = Rig(host)
+    fakehost.pretend_daemon(host, NAME, monkeypatch)  # as `kvcd run` does: it runs
     out = status.render(status.collect(host, NAME))
     assert f"drift: watching {r.mon.files} files" in out
     # 2 modules + link + modules.dep + 00-kvcd.conf + 2 unit files + 1 drop-in
@@ -1196,3 +1201,61 @@ def test_a_symlinked_instance_record_is_refused_without_a_traceback_or_a_write(
     assert elsewhere.read_text() == "{}"
     assert host.state_file(NAME).is_symlink()
     svc.stop_extensions()
+
+
+# --- udev module events: on, or off and why (drift.json, `kvcd status`) ----------------------
+
+
+class _Udev:
+    """A ModuleMonitor stand-in whose start() does what `outcome` says."""
+
+    def __init__(self, outcome: BaseException | None) -> None:
+        self.outcome = outcome
+
+    def __call__(self, _on_event: Any) -> _Udev:
+        return self
+
+    def start(self) -> None:
+        if self.outcome is not None:
+            raise self.outcome
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("udevd", "outcome", "line"),
+    [
+        (False, None, "udev module events: off (no udevd socket)"),
+        (True, None, "udev module events: on"),
+        (True, OSError(13, "Permission denied"), "udev module events: off ([Errno 13] Permission"),
+    ],
+    ids=["no-udevd", "on", "refused"],
+)
+def test_status_says_whether_udev_module_events_arrive(
+    host: HostRoot,
+    udevd: bool,
+    outcome: BaseException | None,
+    line: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if udevd:
+        fakehost.write(host("/run/udev/control"), "")
+    cfg, settings = load_instance(host, NAME), load_settings(host)
+    mon = drift.DriftMonitor(cfg, settings, dirwatch=FakeWatch, udev=_Udev(outcome))
+    Rig.monitors.append(mon)
+    mon.start(Context(host, NAME, K, settings, cfg, lambda _e: None))
+    fakehost.pretend_daemon(host, NAME, monkeypatch)  # as `kvcd run` does: it runs
+    assert f"  {line}" in status.render(status.collect(host, NAME))
+
+
+def test_a_missing_udev_library_is_not_a_capability_turned_off(host: HostRoot) -> None:
+    """pyudev is required (kvcd run refuses to start without it): should it vanish anyway, the
+    monitor does not quietly run without module events."""
+    fakehost.write(host("/run/udev/control"), "")
+    cfg, settings = load_instance(host, NAME), load_settings(host)
+    gone = ModuleNotFoundError("No module named 'pyudev'")
+    mon = drift.DriftMonitor(cfg, settings, dirwatch=FakeWatch, udev=_Udev(gone))
+    Rig.monitors.append(mon)
+    with pytest.raises(ModuleNotFoundError):
+        mon.start(Context(host, NAME, K, settings, cfg, lambda _e: None))

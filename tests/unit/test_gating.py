@@ -472,3 +472,35 @@ def test_extensions_are_built_only_for_configured_features(host: HostRoot) -> No
     mine = [n for n in names if n in {"variants", "depends", "devices", "links"}]
     assert mine == ["variants", "depends", "devices", "links"]
     assert LinkSpec(driver="dummy") in full.expect_links
+
+
+class RefusedLinkWatch(FakeLinkWatch):
+    def start(self) -> None:
+        raise OSError(1, "Operation not permitted")
+
+
+@pytest.mark.parametrize(
+    ("watch", "line"),
+    [
+        (FakeLinkWatch, "links: netlink link events"),
+        (
+            RefusedLinkWatch,
+            "links: checked on each reconcile, no link events ([Errno 1] Operation not permitted)",
+        ),
+    ],
+    ids=["events", "refused"],
+)
+def test_status_says_whether_link_events_arrive(
+    host: HostRoot,
+    watch: Callable[[Callable[[str], None]], FakeLinkWatch],
+    line: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fakehost.write_config(host, "e2e", LINKS_CFG + BUILD)
+    cfg = cfg_for(host, LINKS_CFG + BUILD)
+    ext = links.LinkReadiness(lambda _r: [], watch, Clock(), FakeTimer)
+    ext.start(context(host, cfg))
+    fakehost.pretend_daemon(host, "e2e", monkeypatch)  # as `kvcd run` does: it runs
+    assert f"  {line}\n" in render(collect(host, "e2e")) + "\n"
+    ext.after(context(host, cfg), record(goal="unloaded"))  # rewrites the file: still said
+    assert f"  {line}\n" in render(collect(host, "e2e")) + "\n"

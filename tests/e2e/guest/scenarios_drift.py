@@ -6,7 +6,7 @@ guest_scenarios.py left kvcd@e2e-kmod loaded (Done). Each test leaves it Done ag
 (g3) edit a kvcd-owned file (module in the store tree) -> Degraded (Drift) -> restore -> Done
      without any command
 (g4) edit modules.dep in kvcd's module root -> Degraded; force file -> re-applied, consumed
-(g5) `kvcd status` says how many files are watched
+(g5) `kvcd status` says how many files are watched, and that udev module events arrive
 
 Contracts used: `kvcd status --json` (state, reason, drift.line), journald MESSAGE_ID,
 /run/kvcd/<instance>.force, /var/lib/kvcd/modules/lib/modules/<kernel>/extra/<instance>.
@@ -190,3 +190,8 @@ def test_g5_status_says_what_is_watched() -> None:
     assert re.fullmatch(r"watching \d+ files", st["drift"]["line"]), st["drift"]
     out = sh(["kvcd", "status"]).stdout
     assert "drift: watching" in out
+    # The guest runs udevd and has every required library: no capability is off.
+    caps = st.get("capabilities") or {}
+    assert caps.get("udev") == {"on": True, "detail": ""}, caps
+    assert caps.get("holders") == {"on": True, "detail": ""}, caps
+    assert "udev module events: on" in out and "holder checks: on" in out

@@ -1,0 +1,147 @@
+"""pylibs: the Python libraries kvcd runs on, and whether this interpreter can import them.
+
+The room for kvcd's own installation. It may touch: the import system (importlib), nothing on
+the host. The table is the one place that says which library serves which capability and what
+to install (pip name, Fedora/RHEL RPM name); pyproject.toml's dependencies and rpm.spec's
+Requires list the same required set (tests/unit/test_pylibs.py checks both).
+
+Required libraries are imported at the start of `kvcd run` and `kvcd check-config`: a missing
+one is an error there, never a capability that quietly stays off later. Optional ones are
+needed only by a setting (the kubernetes client by ``node_backend = "kubernetes"``), which is
+then refused with the same one-line text, or have a real alternative path that is logged and
+shown in `kvcd status` (pydbus: the rpm-ostree CLI answers what its D-Bus API would).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvcd.config.loader import ConfigLocations, setting_line, settings_source
+from kvcd.config.model import ConfigError, Settings
+
+Importer = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Package:
+    """One distribution package: what is imported, what `pip install` and `dnf install` take."""
+
+    module: str  # the module kvcd imports (a submodule where the top one imports too little)
+    pip: str
+    rpm: str
+
+    def named(self) -> str:
+        return f"the Python package '{self.pip}' (RPM {self.rpm})"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A capability and the packages it imports (all of them, in order)."""
+
+    capability: str
+    packages: tuple[Package, ...]
+
+
+PODMAN = Package("podman", "podman", "python3-podman")
+PYELFTOOLS = Package("elftools.elf.elffile", "pyelftools", "python3-pyelftools")
+WATCHDOG = Package("watchdog.observers.inotify", "watchdog", "python3-watchdog")
+PYUDEV = Package("pyudev", "pyudev", "python3-pyudev")
+PSUTIL = Package("psutil", "psutil", "python3-psutil")
+PYROUTE2 = Package("pyroute2", "pyroute2", "python3-pyroute2")
+KUBERNETES = Package("kubernetes", "kubernetes", "python3-kubernetes")
+PYDBUS = Package("pydbus", "pydbus", "python3-pydbus")
+# pydbus runs on GLib's D-Bus through PyGObject (gi); Fedora/RHEL ship it as python3-gobject.
+PYGOBJECT = Package("gi.repository.GLib", "PyGObject", "python3-gobject")
+
+REQUIRED: tuple[Requirement, ...] = (
+    Requirement("driver images (podman API)", (PODMAN,)),
+    Requirement("module files (ELF)", (PYELFTOOLS,)),
+    Requirement("drift monitor (inotify)", (WATCHDOG,)),
+    Requirement("udev module and device events", (PYUDEV,)),
+    Requirement("holder checks", (PSUTIL,)),
+    Requirement("link readiness (netlink)", (PYROUTE2,)),
+)
+NODE_KUBERNETES = Requirement("node backend kubernetes", (KUBERNETES,))
+RPMOSTREE_DBUS = Requirement("rpm-ostree D-Bus", (PYDBUS, PYGOBJECT))
+
+
+class Missing(Exception):
+    """A library kvcd or a setting needs does not import. The message is one line."""
+
+
+def import_error(pkg: Package, importer: Importer = importlib.import_module) -> str | None:
+    """Why `pkg` does not import ('' never: None when it does)."""
+    try:
+        importer(pkg.module)
+    except ImportError as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def first_missing(
+    req: Requirement, importer: Importer = importlib.import_module
+) -> tuple[Package, str] | None:
+    """The first package of `req` that does not import, with the import error."""
+    for pkg in req.packages:
+        why = import_error(pkg, importer)
+        if why is not None:
+            return pkg, why
+    return None
+
+
+def required_problems(importer: Importer = importlib.import_module) -> list[str]:
+    """One line per required library that does not import (empty: all do)."""
+    out = []
+    for req in REQUIRED:
+        gone = first_missing(req, importer)
+        if gone is not None:
+            pkg, why = gone
+            out.append(f"kvcd needs {pkg.named()} for {req.capability}: {why}")
+    return out
+
+
+def require_all(importer: Importer = importlib.import_module) -> None:
+    """Raise :class:`Missing` naming every required library that does not import."""
+    problems = required_problems(importer)
+    if problems:
+        raise Missing("; ".join(problems))
+
+
+def setting_problem(
+    setting: str, req: Requirement, importer: Importer = importlib.import_module
+) -> str | None:
+    """`setting` needs the packages of `req`: the one-line refusal when one does not import."""
+    gone = first_missing(req, importer)
+    if gone is None:
+        return None
+    pkg, why = gone
+    return f"{setting} needs {pkg.named()}: {why}"
+
+
+def settings_problems(
+    settings: Settings, importer: Importer = importlib.import_module
+) -> list[tuple[str, str]]:
+    """(key, one-line refusal) for each node-wide setting whose optional library is missing."""
+    out = []
+    if settings.node_backend == "kubernetes":
+        text = setting_problem('node_backend = "kubernetes"', NODE_KUBERNETES, importer)
+        if text is not None:
+            out.append(("node_backend", text))
+    return out
+
+
+def check_settings(
+    root: ConfigLocations, settings: Settings, importer: Importer = importlib.import_module
+) -> None:
+    """Refuse settings this installation cannot honor: ConfigError naming the file and line."""
+    problems = settings_problems(settings, importer)
+    if not problems:
+        return
+    path = settings_source(root)
+    key, text = problems[0]
+    if path is None:  # defaults never need an optional library; say where it would be set
+        raise ConfigError(root.main_config, text)
+    raise ConfigError(path, text, setting_line(path, key))

@@ -1,0 +1,314 @@
+"""The libraries kvcd runs on: a missing required one stops `kvcd run` and `kvcd check-config`
+with the package to install; an optional one is refused by the setting that needs it; the
+packaging (pyproject.toml, rpm.spec) lists the same set; `kvcd status` shows each capability."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcd.cli import main
+from kvcd.config.loader import parse_settings_toml
+from kvcd.core import state
+from kvcd.daemon import status
+from kvcd.daemon.record import Record
+from kvcd.daemon.service import Service
+from kvcd.host import pylibs
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[2]
+K = "6.1.0-56-amd64"
+GOOD = 'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+
+
+def without(*gone: str) -> pylibs.Importer:
+    """An importer for which the modules `gone` (and their submodules) are not installed."""
+
+    def importer(name: str) -> object:
+        for g in gone:
+            if name == g or name.startswith(g + "."):
+                raise ModuleNotFoundError(f"No module named '{g}'", name=g)
+        return object()
+
+    return importer
+
+
+# module missing -> the one line `kvcd run` / `kvcd check-config` print
+REQUIRED_TABLE = [
+    (
+        "podman",
+        "kvcd needs the Python package 'podman' (RPM python3-podman) for driver images "
+        "(podman API): No module named 'podman'",
+    ),
+    (
+        "elftools",
+        "kvcd needs the Python package 'pyelftools' (RPM python3-pyelftools) for module files "
+        "(ELF): No module named 'elftools'",
+    ),
+    (
+        "watchdog",
+        "kvcd needs the Python package 'watchdog' (RPM python3-watchdog) for drift monitor "
+        "(inotify): No module named 'watchdog'",
+    ),
+    (
+        "pyudev",
+        "kvcd needs the Python package 'pyudev' (RPM python3-pyudev) for udev module and device "
+        "events: No module named 'pyudev'",
+    ),
+    (
+        "psutil",
+        "kvcd needs the Python package 'psutil' (RPM python3-psutil) for holder checks: "
+        "No module named 'psutil'",
+    ),
+    (
+        "pyroute2",
+        "kvcd needs the Python package 'pyroute2' (RPM python3-pyroute2) for link readiness "
+        "(netlink): No module named 'pyroute2'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("module", "text"), REQUIRED_TABLE)
+def test_a_missing_required_library_is_named_with_what_to_install(module: str, text: str) -> None:
+    assert pylibs.required_problems(without(module)) == [text]
+    with pytest.raises(pylibs.Missing) as exc:
+        pylibs.require_all(without(module))
+    assert str(exc.value) == text
+
+
+def test_the_required_table_covers_every_required_library() -> None:
+    assert sorted(m for m, _ in REQUIRED_TABLE) == sorted(
+        p.module.split(".")[0] for r in pylibs.REQUIRED for p in r.packages
+    )
+    assert pylibs.required_problems(without()) == []
+
+
+# setting -> module missing -> the refusal
+SETTING_TABLE = [
+    (
+        'node_backend = "kubernetes"',
+        pylibs.NODE_KUBERNETES,
+        "kubernetes",
+        "node_backend = \"kubernetes\" needs the Python package 'kubernetes' "
+        "(RPM python3-kubernetes): No module named 'kubernetes'",
+    ),
+    (
+        "rpm-ostree D-Bus",
+        pylibs.RPMOSTREE_DBUS,
+        "pydbus",
+        "rpm-ostree D-Bus needs the Python package 'pydbus' (RPM python3-pydbus): "
+        "No module named 'pydbus'",
+    ),
+    (
+        "rpm-ostree D-Bus",
+        pylibs.RPMOSTREE_DBUS,
+        "gi",
+        "rpm-ostree D-Bus needs the Python package 'PyGObject' (RPM python3-gobject): "
+        "No module named 'gi'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("setting", "req", "module", "text"), SETTING_TABLE)
+def test_a_setting_names_the_optional_library_it_needs(
+    setting: str, req: pylibs.Requirement, module: str, text: str
+) -> None:
+    assert pylibs.setting_problem(setting, req, without(module)) == text
+    assert pylibs.setting_problem(setting, req, without()) is None
+
+
+def test_only_the_kubernetes_backend_needs_the_kubernetes_client() -> None:
+    kube = parse_settings_toml("/k.toml", 'node_backend = "kubernetes"\n')
+    fileb = parse_settings_toml("/k.toml", 'node_backend = "file"\n')
+    assert [k for k, _ in pylibs.settings_problems(kube, without("kubernetes"))] == ["node_backend"]
+    assert pylibs.settings_problems(fileb, without("kubernetes")) == []
+    assert pylibs.settings_problems(kube, without("pydbus")) == []
+
+
+# --- check-config and run, with the module really gone from this interpreter ----------------
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> HostRoot:
+    r = HostRoot(tmp_path)
+    fakehost.make_host(r, K)
+    fakehost.write_config(r, "e2e", GOOD)
+    return r
+
+
+def test_check_config_refuses_the_kubernetes_backend_without_its_client(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write(root.main_config, 'annotation_prefix = "x.io"\nnode_backend = "kubernetes"\n')
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # import kubernetes -> ImportError
+    assert main(["--root", str(root.root), "check-config", "--all"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f'kvcd: {root.main_config}:2: node_backend = "kubernetes" needs ')
+    assert "the Python package 'kubernetes' (RPM python3-kubernetes)" in err
+    assert "\n" not in err
+
+
+def test_check_config_accepts_the_kubernetes_backend_with_its_client(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("kubernetes")
+    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    assert main(["--root", str(root.root), "check-config", "--all"]) == 0
+    assert "e2e: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("verb", [["check-config", "--all"], ["run", "e2e"]])
+def test_a_missing_required_library_stops_check_config_and_run(
+    root: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    verb: list[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    assert main(["--root", str(root.root), *verb]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "kvcd: kvcd needs the Python package 'psutil' (RPM python3-psutil) for holder checks: "
+        "import of psutil halted; None in sys.modules"
+    )
+    assert Record.read(root, "e2e") is None  # stopped before it did anything
+
+
+def test_run_refuses_the_kubernetes_backend_without_its_client(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    monkeypatch.setitem(sys.modules, "kubernetes", None)
+    svc = Service(root, "e2e", K, fakehost.RecordingNotifier())
+    assert svc.reconcile() is None and svc.config_invalid  # run() exits 2 on this
+    rec = Record.read(root, "e2e")
+    assert rec is not None and rec.state == state.DEGRADED
+    assert rec.reason.startswith(
+        f'ConfigInvalid: {root.main_config}:1: node_backend = "kubernetes" needs the Python '
+        "package 'kubernetes' (RPM python3-kubernetes)"
+    )
+
+
+# --- the packaging lists the same set (docs are tests) --------------------------------------
+
+
+def _pyproject() -> dict[str, object]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _dist_name(requirement: str) -> str:
+    found = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert found, requirement
+    return found.group(0).lower()
+
+
+def _spec_deps(tag: str) -> set[str]:
+    text = (REPO / "rpm.spec").read_text()
+    return set(re.findall(rf"^{tag}:\s+(python3-\S+)\s*$", text, re.MULTILINE))
+
+
+def test_pyproject_dependencies_are_the_required_table() -> None:
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    deps = {_dist_name(d) for d in project["dependencies"] if "python_version" not in d}
+    assert deps == {p.pip.lower() for r in pylibs.REQUIRED for p in r.packages}
+
+
+def test_rpm_requires_name_the_same_set_as_pyproject() -> None:
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    # Every pyproject dependency (tomli too, which the spec requires under %if) as its RPM name.
+    assert _spec_deps("Requires") == {f"python3-{_dist_name(d)}" for d in project["dependencies"]}
+    required_rpms = {p.rpm for r in pylibs.REQUIRED for p in r.packages}
+    assert required_rpms <= _spec_deps("Requires")
+
+
+def test_rpm_recommends_are_the_optional_extras() -> None:
+    project = _pyproject()["project"]
+    assert isinstance(project, dict)
+    extras = project["optional-dependencies"]
+    assert isinstance(extras, dict)
+    assert sorted(k for k in extras if k != "dev") == ["dbus", "kubernetes"]
+    assert {_dist_name(d) for d in extras["kubernetes"]} == {
+        p.pip.lower() for p in pylibs.NODE_KUBERNETES.packages
+    }
+    assert {_dist_name(d) for d in extras["dbus"]} == {
+        p.pip.lower() for p in pylibs.RPMOSTREE_DBUS.packages
+    }
+    # python3-pydbus brings python3-gobject with it on Fedora/RHEL.
+    assert _spec_deps("Recommends") == {"python3-kubernetes", "python3-pydbus"}
+    assert not _spec_deps("Requires") & _spec_deps("Recommends")
+
+
+# --- kvcd status: each capability on or off, and why ----------------------------------------
+
+
+def test_status_lists_the_capabilities_of_a_running_instance(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("kubernetes")
+    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    fakehost.write_config(
+        root, "e2e", GOOD.replace("[build]", 'expect_links = [{ driver = "ixgbe" }]\n[build]')
+    )
+    fakehost.pretend_daemon(root, "e2e", monkeypatch)  # as `kvcd run` does: it runs
+    fakehost.write(
+        root.runtime / "e2e.drift.json",
+        json.dumps({"line": "watching 12 files", "udev": False, "udev_off": "no udevd socket"}),
+    )
+    fakehost.write(
+        root.runtime / "e2e.links.json",
+        json.dumps({"provided": [], "missing": [], "watch_off": ""}),
+    )
+    assert main(["--root", str(root.root), "status"]) == 0
+    out = capsys.readouterr().out
+    for line in (
+        "  drift: watching 12 files\n",
+        "  udev module events: off (no udevd socket)\n",
+        "  holder checks: on\n",
+        "  links: netlink link events\n",
+        "  node backend: kubernetes\n",
+    ):
+        assert line in out
+    assert "rpm-ostree" not in out  # not an rpm-ostree host
+    assert main(["--root", str(root.root), "status", "--json"]) == 0
+    caps = json.loads(capsys.readouterr().out)["instances"][0]["capabilities"]
+    assert caps["udev"] == {"on": False, "detail": "no udevd socket"}
+    assert caps["drift"] == {"on": True, "detail": "watching 12 files"}
+    assert caps["holders"] == {"on": True, "detail": ""}
+    assert caps["node_backend"] == {"on": True, "detail": "kubernetes"}
+
+
+def test_status_says_why_capabilities_are_off(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not running: its runtime files say nothing about now, even when left behind.
+    fakehost.write(
+        root.runtime / "e2e.drift.json", json.dumps({"line": "watching 3 files", "udev": True})
+    )
+    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    fakehost.write(root("/run/ostree-booted"), "")
+    monkeypatch.setitem(sys.modules, "kubernetes", None)
+    monkeypatch.setitem(sys.modules, "pydbus", None)
+    out = status.render(status.collect(root, "e2e"))
+    assert "  drift: off (kvcd@e2e is not running)\n" in out
+    assert "  udev module events: off (kvcd@e2e is not running)\n" in out
+    assert "  links: off (instance has no expect_links)\n" in out
+    assert (
+        '  node backend: off (node_backend = "kubernetes" needs the Python package '
+        "'kubernetes' (RPM python3-kubernetes): import of kubernetes halted; None in sys.modules)"
+    ) in out
+    assert (
+        "  rpm-ostree: CLI (rpm-ostree D-Bus needs the Python package 'pydbus' "
+        "(RPM python3-pydbus): import of pydbus halted; None in sys.modules)"
+    ) in out
