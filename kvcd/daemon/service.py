@@ -361,8 +361,15 @@ class Service:
 
     def _announce(self, record: Record | None, ready: bool) -> bool:
         """READY=1 once the outcome is settled (Done or Degraded, not Working); STATUS= always."""
-        if record is None:
-            text = "Degraded; see kvcd status"
+        if record is None:  # a bad config or a failure for good: its record says which
+            try:
+                recorded = Record.load(self.root, self.name)
+            except OSError:
+                recorded = None
+            if recorded is not None and recorded.state == state.DEGRADED and recorded.reason:
+                text = f"{state.DEGRADED}: {recorded.reason}"[:200]
+            else:
+                text = "Degraded; see kvcd status"
         elif record.state == state.DONE:
             text = f"Done: {self.name} " + (record.reason or record.goal)
         else:

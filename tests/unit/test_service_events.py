@@ -451,3 +451,17 @@ def test_a_verdict_that_cannot_be_reached_holds_degraded(
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason == "InstallFailed: /lib/modules/k/extra/e2e was not installed by kvcd"
     assert not (host.sys_module / "kvcd_base").exists()  # held: nothing loaded
+
+
+def test_a_reload_with_a_bad_config_says_the_reason_in_status(host: HostRoot) -> None:
+    """`systemctl status` shows the reason a reload failed, not only that it did."""
+    svc, n = service(host)
+    rec = svc.reconcile([Event("start", retry=True)])
+    assert rec is not None and svc._announce(rec, ready=False)
+    cfg = host("/etc/kvcd/instances/e2e.toml")
+    cfg.write_text("no_such_key = 1\n" + cfg.read_text())
+    assert svc.reconcile([Event("signal", "reload", retry=True)]) is None
+    svc._announce(None, ready=True)
+    (status,) = [s for s in n.sent[-1:] if s.startswith("STATUS=")]
+    assert status.startswith(f"STATUS=Degraded: ConfigInvalid: {cfg}"), status
+    assert "no_such_key" in status
