@@ -33,7 +33,7 @@ from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon.observe import MANIFEST, store_dir
-from kvcd.host import files, hooks, journal, kmod
+from kvcd.host import failpoint, files, hooks, journal, kmod
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
@@ -107,6 +107,7 @@ class Executor:
             log.info("step: %s", action.describe(), extra=self.fields)
             try:
                 self._apply(action, attempt)
+                failpoint.hit(f"after:{type(action).__name__}")
             except StepFailed as exc:
                 undone = self._rollback(attempt)
                 if undone:
@@ -181,8 +182,13 @@ class Executor:
                 a.tag,
                 a.context,
             )
+
+            def line(text: str) -> None:
+                self.on_build_line(text)
+                failpoint.hit("build")
+
             try:
-                self.podman.build(spec, self.on_build_line)
+                self.podman.build(spec, line)
             except PodmanError as exc:
                 self._event(
                     logging.ERROR, journal.MSG_BUILD_FAILED, "build of %s failed: %s", a.tag, exc

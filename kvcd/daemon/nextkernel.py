@@ -61,7 +61,7 @@ from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
 from kvcd.daemon.record import Record
-from kvcd.host import bootloader, elf, files, journal, kmod, rpmostree, symvers
+from kvcd.host import bootloader, elf, failpoint, files, journal, kmod, rpmostree, symvers
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 
@@ -296,6 +296,7 @@ def prepare(
         return NONE
     if not bootloader.valid_kernel(kernel):
         return Outcome(kernel, FAILED, f"invalid kernel release {kernel!r}")
+    failpoint.hit("nextkernel")
     how = prepared_how(root, cfg, kernel)
     if how is not None:
         return Outcome(kernel, READY, how)

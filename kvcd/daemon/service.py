@@ -31,7 +31,7 @@ from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, V
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
-from kvcd.host import files, kmod, procs, pylibs
+from kvcd.host import failpoint, files, kmod, procs, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
 
@@ -343,6 +343,7 @@ class Service:
                     self.notify.reloading()
                     # Read before reconciling: every request up to here is answered by it.
                     reload_seq = control.reload_requested(self.root, self.name)
+                    failpoint.hit("reload")
                     events.append(Event("signal", "reload", retry=True))
                     ready = False
                 if events:

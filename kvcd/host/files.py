@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvcd.host import failpoint
 from kvcd.host.paths import OWN_DIRS
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,9 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     directory = path.parent
     ensure_dir(directory)
     _refuse_special(path)
-    tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    # The writer's pid in the name: a writer killed between create and rename leaves its
+    # temporary file behind, and the next write of the same file removes it (_sweep).
+    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -231,6 +234,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
                 view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
             os.fsync(fd)
+            failpoint.hit(f"write:{path.name}")
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -238,7 +242,25 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _sweep(directory, path.name)
     _fsync_dir(directory)
+
+
+def _sweep(directory: Path, name: str) -> None:
+    """Remove the temporary files of earlier writes of `name` whose writer is gone (a crash
+    between create and rename); a live writer's file is left alone."""
+    prefix = f".{name}."
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.startswith(prefix) and entry.endswith(".tmp")):
+            continue
+        pid = entry[len(prefix) :].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / entry)
 
 
 def write_json(path: Path, obj: Any, mode: int = 0o644) -> None:

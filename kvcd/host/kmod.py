@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, ClassVar
 
-from kvcd.host import files, kmsg
+from kvcd.host import failpoint, files, kmsg
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run, which
 
@@ -639,6 +639,7 @@ def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[
         argv += ["-e", "-E", str(symvers)]
     argv.append(kernel)
     with tree_lock(root):
+        failpoint.hit("depmod")
         try:
             done = run(argv)
         except CommandError as exc:

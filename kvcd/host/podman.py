@@ -39,6 +39,8 @@ from typing import IO, Any, cast
 import requests
 from podman.api import APIClient
 
+from kvcd.host import failpoint
+
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "unix:///run/podman/podman.sock"
@@ -598,6 +600,7 @@ def extract_members(
                 os.utime(target, (member.mtime, member.mtime))
                 if target not in written:
                     written.append(target)
+                failpoint.hit("extract")
     except tarfile.TarError as exc:
         raise PodmanError(f"{source}: unreadable archive: {exc}") from exc
     except OSError as exc:  # e.g. a file and a directory of the same name, or a full disk

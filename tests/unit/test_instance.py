@@ -75,6 +75,11 @@ class FakePodman:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    return instance_host(tmp_path, fake_commands, monkeypatch)
+
+
+def instance_host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
+    """A fake host whose modinfo reads the fake module files FakePodman extracts."""
     root = fakehost.fake_host(HostRoot(tmp_path / "root"), K, fake_commands, monkeypatch)
 
     def fake_modinfo(path: Path) -> dict[str, list[str]]:

@@ -211,3 +211,32 @@ def image_ids() -> set[str]:
 def record_timing(name: str, seconds: float) -> None:
     with (RESULTS / "timings.txt").open("a") as f:
         f.write(f"{name} {seconds:.1f}\n")
+
+
+ENTRIES = Path("/boot/loader/entries")
+
+
+def machine_id() -> str:
+    return Path("/etc/machine-id").read_text().strip() or "kvcde2e"
+
+
+def bls_entry(kver: str) -> str:
+    """What a RHEL-like kernel install writes (kernel-install): one BLS entry per kernel."""
+    path = ENTRIES / f"{machine_id()}-{kver}.conf"
+    path.write_text(
+        f"title Debian GNU/Linux 12 ({kver})\n"
+        f"version {kver}\n"
+        f"linux /vmlinuz-{kver}\n"
+        f"initrd /initrd.img-{kver}\n"
+        "options root=/dev/vda rw console=ttyS0\n"
+    )
+    return path.stem
+
+
+def set_grub_default(entry_id: str) -> None:
+    """grubenv's saved_entry (grub2-set-default): the 1024-byte environment block."""
+    head = f"# GRUB Environment Block\nsaved_entry={entry_id}\n"
+    block = head + "#" * (1024 - len(head))
+    for d in (Path("/boot/grub2"), Path("/boot/grub")):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "grubenv").write_text(block)

@@ -28,11 +28,13 @@ from pathlib import Path
 import pytest
 from kvcdguest import (
     BUILD_TIMEOUT,
+    ENTRIES,
     INSTANCE,
     MODS,
     PAYLOAD,
     STATE_DIR,
     UNIT,
+    bls_entry,
     containerfile,
     image_ids,
     kvcd_status,
@@ -40,6 +42,7 @@ from kvcdguest import (
     proc_modules,
     record_timing,
     request_reboot,
+    set_grub_default,
     set_instance,
     sh,
     state_is,
@@ -49,7 +52,6 @@ from kvcdguest import (
 KVER1 = (PAYLOAD / "kver").read_text().strip()
 KVER2 = (PAYLOAD / "kver2").read_text().strip() if (PAYLOAD / "kver2").exists() else ""
 SAVED = STATE_DIR / "nextkernel.json"  # what boot 1 leaves for boot 2
-ENTRIES = Path("/boot/loader/entries")
 
 
 def has_nextkernel() -> bool:
@@ -59,32 +61,6 @@ def has_nextkernel() -> bool:
 needs_nextkernel = pytest.mark.skipif(
     not has_nextkernel(), reason="kvcd has no next-kernel support yet (kvcd/daemon/nextkernel.py)"
 )
-
-
-def machine_id() -> str:
-    return Path("/etc/machine-id").read_text().strip() or "kvcde2e"
-
-
-def bls_entry(kver: str) -> str:
-    """What a RHEL-like kernel install writes (kernel-install): one BLS entry per kernel."""
-    path = ENTRIES / f"{machine_id()}-{kver}.conf"
-    path.write_text(
-        f"title Debian GNU/Linux 12 ({kver})\n"
-        f"version {kver}\n"
-        f"linux /vmlinuz-{kver}\n"
-        f"initrd /initrd.img-{kver}\n"
-        "options root=/dev/vda rw console=ttyS0\n"
-    )
-    return path.stem
-
-
-def set_grub_default(entry_id: str) -> None:
-    """grubenv's saved_entry (grub2-set-default): the 1024-byte environment block."""
-    head = f"# GRUB Environment Block\nsaved_entry={entry_id}\n"
-    block = head + "#" * (1024 - len(head))
-    for d in (Path("/boot/grub2"), Path("/boot/grub")):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "grubenv").write_text(block)
 
 
 def both_loaded() -> bool:
