@@ -38,6 +38,7 @@ from kvcdguest import (
     UNIT,
     bls_entry,
     containerfile,
+    diagnose,
     kvcd_status,
     module_version,
     proc_modules,
@@ -154,7 +155,9 @@ def _instance_at_version() -> Iterator[None]:
     set_instance(version=VERSION, **{"build.containerfile": containerfile(VERSION)})
     sh(["systemctl", "reset-failed", UNIT], check=False)
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
-    wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled at {VERSION}")
+    st = wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled at {VERSION}")
+    print(f"settled: {st}")
+    sh(["podman", "images"], check=False)
     yield
     disarm()
     INSTANCE_FILE.write_text(original)
@@ -182,7 +185,11 @@ def converge(point: str, trigger: str, t0: float, start_again: bool = False) -> 
     disarm()
     if start_again:  # a stop was interrupted: the admin's next start
         sh(["systemctl", "start", UNIT], check=False, timeout=BUILD_TIMEOUT)
-    st = wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} to converge after the crash at {point}", 1)
+    try:
+        st = wait_for(settled, 600, f"{INSTANCE} to converge after the crash at {point}", 1)
+    except AssertionError:
+        diagnose()
+        raise
     seconds = time.monotonic() - t0
     TABLE.append((point, trigger, left, seconds))
     record_timing(f"crash_{point}", seconds)
@@ -194,7 +201,11 @@ def converge(point: str, trigger: str, t0: float, start_again: bool = False) -> 
 
 
 def wait_fired(point: str) -> float:
-    wait_for(lambda: not TOKEN.exists(), 600, f"kvcd to reach the fail point {point}", 0.2)
+    try:
+        wait_for(lambda: not TOKEN.exists(), 300, f"kvcd to reach the fail point {point}", 0.2)
+    except AssertionError:
+        diagnose()
+        raise
     # SIGKILL is immediate, a delayed one follows within its delay: the process is gone then.
     time.sleep(POINTS[point][1] + 0.5)
     return time.monotonic()
