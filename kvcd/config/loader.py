@@ -112,7 +112,6 @@ _BUILD_KEYS = ("context", "containerfile", "args")
 _SETTINGS_KEYS = (
     "podman_socket",
     "annotation_prefix",
-    "extra",
     "node_backend",
     "node_name",
     "kubeconfig",
@@ -256,6 +255,14 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
     def fail(message: str, *key: str) -> ConfigError:
         return ConfigError(path, message, lines.line(*key) if key else None)
 
+    if "extra" in data:
+        # Older docs put node_backend and kubeconfig in an [extra] table that nothing read: the
+        # node stayed on the file backend without a word. Say where they belong.
+        raise fail(
+            "[extra] is not a kvcd setting: node_backend, kubeconfig and node_name are "
+            "top-level keys (put them above the first [table]; see packaging/README.md)",
+            "extra",
+        )
     _unknown_keys(data, _SETTINGS_KEYS, "top level", fail)
     values: dict[str, Any] = {}
     rules: dict[str, Callable[[object, str], Any]] = {
@@ -275,14 +282,6 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
                 values[key] = rule(data[key], key)
             except _Invalid as exc:
                 raise fail(str(exc), key) from None
-    if "extra" in data:
-        extra = data["extra"]
-        if not isinstance(extra, dict):
-            raise fail(f"'extra' must be a table of strings, got {_show(extra)}", "extra")
-        for key, value in extra.items():
-            if not isinstance(value, str):
-                raise fail(f"'extra.{key}' must be a string, got {_show(value)}", "extra", key)
-        values["extra"] = dict(extra)
     if "node_capabilities" in data:
         from kvcd.config.capsconf import capability_set
 

@@ -668,14 +668,17 @@ def test_settings_all_keys(root: HostRoot) -> None:
     text = doc(
         'podman_socket = "ssh://core@node1/run/podman/podman.sock"',
         'annotation_prefix = "drivers.example.com"',
-        "[extra]",
-        'x = "y"',
+        'node_backend = "kubernetes"',
+        'kubeconfig = "/etc/kvcd/kubeconfig"',
+        'node_name = "worker-1"',
     )
     write(root.main_config, text)
     assert load_settings(root) == Settings(
         podman_socket="ssh://core@node1/run/podman/podman.sock",
         annotation_prefix="drivers.example.com",
-        extra={"x": "y"},
+        node_backend="kubernetes",
+        kubeconfig="/etc/kvcd/kubeconfig",
+        node_name="worker-1",
     )
 
 
@@ -698,7 +701,12 @@ BAD_SETTINGS = [
     ("prefix-long-label", doc(f'annotation_prefix = "{"a" * 64}.io"'), 1, "DNS subdomain"),
     ("socket-relative", doc('podman_socket = "unix://run/x.sock"'), 1, "'podman_socket' must be"),
     ("socket-not-string", doc("podman_socket = 1"), 1, "'podman_socket' must be a URL string"),
-    ("extra-not-string", doc("[extra]", "n = 1"), 2, "'extra.n' must be a string, got 1"),
+    (
+        "extra-table",  # what older docs said: refused, never read as the file backend
+        doc('podman_socket = "unix:///x"', "[extra]", 'node_backend = "kubernetes"'),
+        2,
+        "[extra] is not a kvcd setting: node_backend, kubeconfig and node_name are top-level keys",
+    ),
     ("syntax", doc("podman_socket = "), 1, "TOML syntax error"),
 ]
 
