@@ -234,7 +234,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 
 
 def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
-    from kvcd.config.loader import load_instance, load_settings
+    from kvcd.config.loader import KVC_GLOBAL, load_instance, load_settings
     from kvcd.config.model import ConfigError
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
@@ -242,8 +242,11 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.daemon.record import running_kernel
     from kvcd.host.pylibs import check_settings
 
-    settings = load_settings(root)
+    settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
     check_settings(root, settings)  # ConfigError: a setting needs a library that is missing
+    kvc_global = root.kvc_conf(KVC_GLOBAL)
+    if os.path.lexists(kvc_global):
+        print(f"{kvc_global}: ok (KVC's node-wide conf: container runtime podman)")
     if not names:
         print("no instances configured")
         return EXIT_OK
