@@ -2,7 +2,8 @@
 #   make check       what CI runs: lint, types, layer contracts, unit + integration tests, VM e2e
 #   make demo        boot the VM guest, start kvcd@e2e-kmod; one screen: systemctl status, lsmod,
 #                    kvcd status, its journal (build output folded); full logs in out/e2e/demo
-#   make test        unit + integration tests (real podman, gcc, depmod, rpmbuild on this machine)
+#   make test        unit, docs (what README/packaging tell users to paste, through kvcd's code)
+#                    and integration tests (real podman, gcc, depmod, rpmbuild on this machine)
 #   make lint        ruff, mypy --strict, import-linter
 #   make rpm         build the RPMs into out/rpm and rpmlint them
 #   make e2e         build/reuse the guest; every guest step (core, every scenario file, reboot),
@@ -43,7 +44,7 @@ lint: setup
 
 # pytest exits 5 when it collected nothing; make treats that as the failure it is.
 test: setup
-	$(PYTHON) -m pytest tests/unit tests/integration
+	$(PYTHON) -m pytest tests/unit tests/docs tests/integration
 
 rpm: setup
 	scripts/build-rpm.sh --lint

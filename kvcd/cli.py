@@ -234,7 +234,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 
 
 def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
-    from kvcd.config.loader import load_instance, load_settings
+    from kvcd.config.loader import KVC_GLOBAL, load_instance, load_settings
     from kvcd.config.model import ConfigError
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
@@ -242,8 +242,10 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.daemon.record import running_kernel
     from kvcd.host.pylibs import check_settings
 
-    settings = load_settings(root)
+    settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
     check_settings(root, settings)  # ConfigError: a setting needs a library that is missing
+    if os.path.lexists(root.kvc_conf(KVC_GLOBAL)):  # load_settings checked it
+        print(f"{root.kvc_conf(KVC_GLOBAL)}: ok (KVC's node-wide conf: container runtime podman)")
     if not names:
         print("no instances configured")
         return EXIT_OK
@@ -261,7 +263,14 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
             print(f"{name}: INVALID: {exc}")
             bad += 1
             continue
+        owned, warnings = _ownership(root, name, [m.kernel_name for m in cfg.modules])
+        if owned:
+            print(f"{name}: INVALID: {owned}")
+            bad += 1
+            continue
         print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
+        for line in warnings:
+            print(f"  warning: {line}")
         print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
         if kernel:
             inst = Instance(root, settings, cfg, kernel)
@@ -281,6 +290,35 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
             for line in planned.describe():
                 print(f"    {line}")
     return EXIT_USAGE if bad else EXIT_OK
+
+
+def _ownership(root: HostRoot, name: str, modules: list[str]) -> tuple[str, list[str]]:
+    """One owner per module: the error when another instance holds one of `modules` ("" when
+    none does), and a warning per other configured instance that lists some of them."""
+    from kvcd.config.loader import list_instances, load_instance
+    from kvcd.config.model import ConfigError
+    from kvcd.core import owners, state
+    from kvcd.daemon.instance import holders
+
+    held = owners.shared(name, modules, holders(root, name))
+    if held:
+        return f"{state.MODULE_OWNED}: {owners.describe(name, held)}", []
+    others: dict[str, list[str]] = {}
+    for other in list_instances(root):
+        if other == name:
+            continue
+        try:
+            others[other] = [m.kernel_name for m in load_instance(root, other).modules]
+        except ConfigError:  # said where that instance is checked
+            continue
+    found: dict[str, list[str]] = {}
+    for s in owners.shared(name, modules, others):
+        found.setdefault(s.other, []).append(s.module)
+    return "", [
+        f"{', '.join(mods)} also listed by instance {other}: one owner per module, only one "
+        "of the two can be running"
+        for other, mods in found.items()
+    ]
 
 
 class _Progress:

@@ -70,7 +70,14 @@ class ConfigLocations(Protocol):
 
 # --- rules ---------------------------------------------------------------------------------
 
-INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}")
+# The <name> of kvcd@<name>.service and of its files: systemd's instance characters without ':'
+# and '\\' (escapes), and never '@' (systemd takes it for the template separator).
+INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# Build context URLs: what podman builds (https:// git repositories and tarballs, git://), and
+# pip's git+https:// spelling of a git repository over https.
+CONTEXT_SCHEMES = ("https", "git", "git+https")
+# KVC's own node-wide conf, /etc/kvc/kmods-via-containers.conf: never an instance.
+KVC_GLOBAL = "kmods-via-containers"
 # Kernel module names: MODULE_NAME_LEN is 64 - sizeof(long) with the NUL, so 55 characters.
 # A leading '-' is refused so that a name can never be read as a modprobe option.
 MODULE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,54}")
@@ -112,7 +119,6 @@ _BUILD_KEYS = ("context", "containerfile", "args")
 _SETTINGS_KEYS = (
     "podman_socket",
     "annotation_prefix",
-    "extra",
     "node_backend",
     "node_name",
     "kubeconfig",
@@ -207,7 +213,11 @@ def list_instances(root: ConfigLocations) -> list[str]:
         names.update(_stems(directory, ".toml"))
     # HostRoot names KVC confs one by one; their directory is the parent of any of them.
     kvc_dir = root.kvc_conf("_").parent
-    names.update(n for n in _stems(kvc_dir, ".conf") if root.kvc_conf(n).parent == kvc_dir)
+    names.update(
+        n
+        for n in _stems(kvc_dir, ".conf")
+        if root.kvc_conf(n).parent == kvc_dir and n != KVC_GLOBAL
+    )
     return sorted(names)
 
 
@@ -220,9 +230,56 @@ def settings_source(root: ConfigLocations) -> Path | None:
 
 
 def load_settings(root: ConfigLocations) -> Settings:
-    """Node-wide settings: /etc/kvcd/kvcd.toml, else the vendor's, else the defaults."""
+    """Node-wide settings: /etc/kvcd/kvcd.toml, else the vendor's, else the defaults; and
+    KVC's node-wide conf, which must ask for nothing kvcd cannot do (check_kvc_global)."""
+    kvc_global = root.kvc_conf(KVC_GLOBAL)
+    if os.path.lexists(kvc_global):
+        check_kvc_global(kvc_global, read_file(kvc_global))
     path = settings_source(root)
     return Settings() if path is None else parse_settings_toml(path, read_file(path))
+
+
+# KVC's stock kmods-via-containers.conf picks the runtime with a shell function: podman, unless
+# the process runs in a Kubernetes pod's cgroup. kvcd never runs a conf as code; it knows this
+# exact text (whitespace aside) and what it means for a host service: podman.
+_KVC_STOCK_FUNCTION = re.compile(
+    r"get_container_environment\(\)\s*\{\s*"
+    r"if\s+awk\s+-F/\s+'\$2\s*==\s*\"kubepods\.slice\"'\s+/proc/self/cgroup\s*\|\s*"
+    r"read\s+non_empty_input;\s*then\s+echo\s+kubernetes\s+else\s+echo\s+podman\s+fi\s*\}"
+)
+_KVC_STOCK_RUNTIME = "$(get_container_environment)"
+
+
+def check_kvc_global(path: Path | str, text: str) -> str:
+    """KVC's node-wide conf: the container runtime it asks for, which must be podman (the only
+    runtime kvcd drives). Read as data like every KVC conf: any other variable, a runtime
+    other than podman, or code other than KVC's stock runtime function is a ConfigError."""
+    from kvcd.config.kvcconf import parse_assignments
+
+    path = Path(path)
+    stock = _KVC_STOCK_FUNCTION.search(text)
+    if stock is not None:  # blank it out, keeping line numbers
+        blank = re.sub(r"[^\n]", " ", stock.group(0))
+        text = text[: stock.start()] + blank + text[stock.end() :]
+        text = text.replace(_KVC_STOCK_RUNTIME, "podman")
+    runtime = "podman"
+    for a in parse_assignments(path, text):
+        if a.name != "KVC_CONTAINER_RUNTIME":
+            raise ConfigError(
+                path,
+                f"{a.name!r} is not a setting of KVC's node-wide conf that kvcd knows "
+                "(only KVC_CONTAINER_RUNTIME)",
+                a.line,
+            )
+        if a.value != "podman":
+            raise ConfigError(
+                path,
+                f"KVC_CONTAINER_RUNTIME={a.value!r}: kvcd builds and runs driver containers "
+                "with podman only; set KVC_CONTAINER_RUNTIME=podman",
+                a.line,
+            )
+        runtime = a.value
+    return runtime
 
 
 def setting_line(path: Path, key: str) -> int | None:
@@ -256,6 +313,14 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
     def fail(message: str, *key: str) -> ConfigError:
         return ConfigError(path, message, lines.line(*key) if key else None)
 
+    if "extra" in data:
+        # Older docs put node_backend and kubeconfig in an [extra] table that nothing read: the
+        # node stayed on the file backend without a word. Say where they belong.
+        raise fail(
+            "[extra] is not a kvcd setting: node_backend, kubeconfig and node_name are "
+            "top-level keys (put them above the first [table]; see packaging/README.md)",
+            "extra",
+        )
     _unknown_keys(data, _SETTINGS_KEYS, "top level", fail)
     values: dict[str, Any] = {}
     rules: dict[str, Callable[[object, str], Any]] = {
@@ -275,14 +340,6 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
                 values[key] = rule(data[key], key)
             except _Invalid as exc:
                 raise fail(str(exc), key) from None
-    if "extra" in data:
-        extra = data["extra"]
-        if not isinstance(extra, dict):
-            raise fail(f"'extra' must be a table of strings, got {_show(extra)}", "extra")
-        for key, value in extra.items():
-            if not isinstance(value, str):
-                raise fail(f"'extra.{key}' must be a string, got {_show(value)}", "extra", key)
-        values["extra"] = dict(extra)
     if "node_capabilities" in data:
         from kvcd.config.capsconf import capability_set
 
@@ -392,8 +449,14 @@ def _check_instance_name(name: str, path: Path) -> None:
     if not isinstance(name, str) or not INSTANCE_NAME.fullmatch(name):
         raise ConfigError(
             path,
-            f"bad instance name {name!r}: it must match [A-Za-z0-9][A-Za-z0-9_.@-]{{0,127}} "
+            f"bad instance name {name!r}: it must match [A-Za-z0-9][A-Za-z0-9_.-]{{0,127}} "
             "(the <name> of kvcd@<name>.service)",
+        )
+    if name == KVC_GLOBAL:
+        raise ConfigError(
+            path,
+            f"{name!r} is not an instance name: /etc/kvc/{KVC_GLOBAL}.conf is KVC's node-wide "
+            "conf (kvcd check-config --all checks it)",
         )
 
 
@@ -455,18 +518,33 @@ def _context(value: object, label: str) -> str:
         raise _Invalid(f"'{label}' must be a non-empty string, got {_show(value)}")
     if _has_control(value):
         raise _Invalid(f"'{label}' must not contain control characters, got {_show(value)}")
-    if value.startswith("https://"):
+    scheme = value.split("://", 1)[0] if "://" in value else ""
+    if scheme in CONTEXT_SCHEMES:
         try:
-            host = urlsplit(value).hostname
+            parts = urlsplit(value)
+            host = parts.hostname
         except ValueError:
-            host = None
-        if not host or any(c.isspace() for c in value):
-            raise _Invalid(f"'{label}' is not a valid https:// URL, got {_show(value)}")
+            parts, host = None, None
+        if parts is None or not host or any(c.isspace() for c in value):
+            raise _Invalid(f"'{label}' is not a valid {scheme}:// URL, got {_show(value)}")
+        if parts.password is not None:
+            raise _Invalid(
+                f"'{label}' must not carry a password in the URL (it would be logged and kept "
+                f"in image labels); got {scheme}://{parts.username}:…@{host}"
+            )
+        if scheme != "https" and not parts.path.strip("/"):
+            raise _Invalid(f"'{label}' names no repository, got {_show(value)}")
         return value
+    if scheme:
+        raise _Invalid(
+            f"'{label}': {scheme}:// is not a build context kvcd can use; use "
+            f"{', '.join(s + '://' for s in CONTEXT_SCHEMES)} or an absolute path, "
+            f"got {_show(value)}"
+        )
     if not value.startswith("/"):
         raise _Invalid(
-            f"'{label}' must be an absolute path (a directory or a tarball) or an https:// URL "
-            f"(git, .tar, .tar.gz, .tgz), got {_show(value)}"
+            f"'{label}' must be an absolute path (a directory or a tarball) or a URL "
+            f"(https:// git or tarball, git://, git+https://), got {_show(value)}"
         )
     if ".." in value.split("/"):
         raise _Invalid(f"'{label}' must not contain '..', got {_show(value)}")

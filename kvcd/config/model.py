@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvcd.core.capabilities import LinkSpec
@@ -143,11 +143,10 @@ class Settings:
     drift_interval: int = 300
     # Where node state is reported: "file" (/var/lib/kvcd/node.json) or "kubernetes".
     node_backend: str = "file"
-    node_name: str = ""  # "" = $NODE_NAME, else the hostname
+    node_name: str = ""  # "" = $KVCD_NODE_NAME, else the hostname
     kubeconfig: str = ""  # "" = in-cluster service account
     drain: str = "none"  # default drain mode of instances: "none" | "cluster"
     drain_timeout: float = 600.0  # seconds to wait for DrainComplete before Degraded
-    extra: dict[str, str] = field(default_factory=dict)
     # Capability values the admin pins for this node; they replace discovered ones (GEP-33).
     node_capabilities: Capabilities = ()
     # Where instance modules are installed: "kvcd" (kvcd's own module root under

@@ -46,6 +46,8 @@ REBOOT_PENDING = "RebootRequired"
 # A file of kvcd's own (the instance record, a drift record, the node file) did not parse and
 # was set aside, or is not a regular file; kvcd rebuilds what it can from the host.
 STATE_DAMAGED = "StateDamaged"
+# Another instance holds a module this one lists (kvcd/core/owners.py): one owner per module.
+MODULE_OWNED = "ModuleOwned"
 REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
@@ -73,6 +75,7 @@ REASONS = (
     DRAIN_TIMEOUT,
     REBOOT_PENDING,
     STATE_DAMAGED,
+    MODULE_OWNED,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

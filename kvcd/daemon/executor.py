@@ -182,6 +182,14 @@ class Executor:
                 a.tag,
                 a.context,
             )
+            if a.context.startswith("git://"):
+                log.warning(
+                    "build context %s is fetched over git://, unauthenticated and unencrypted: "
+                    "anyone on the network path can change the driver this node loads; "
+                    "prefer https://",
+                    a.context,
+                    extra=self.fields,
+                )
 
             def line(text: str) -> None:
                 self.on_build_line(text)

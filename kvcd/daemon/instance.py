@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core import owners, state
 from kvcd.core import plan as planner
-from kvcd.core import state
 from kvcd.core.actions import Verify
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
@@ -17,7 +17,7 @@ from kvcd.core.types import Desired
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, boot_id
-from kvcd.host import files, journal
+from kvcd.host import files, journal, kmod
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -72,27 +72,12 @@ class Instance:
         `why` is kept as the Done record's reason when something other than the config chose
         the verb (e.g. "no device": Done, nothing loaded)."""
         with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
-            previous = Record.read(self.root, self.cfg.name)
-            generation = (previous.generation if previous else 0) + 1
-            plan = self.plan(verb)
-            record = Record(
-                instance=self.cfg.name,
-                state=state.WORKING,
-                goal="unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
-                version=self.cfg.version,
-                kernel=self.kernel,
-                boot_id=boot_id(self.root),
-                modules=[m.kernel_name for m in self.cfg.modules],
-                generation=generation,
-                pid=pid,
-            )
-            if previous is not None:  # the next-kernel extension's findings outlive a reconcile
-                record.next_kernel = previous.next_kernel
-                record.next_kernel_state = previous.next_kernel_state
-                record.next_kernel_reason = previous.next_kernel_reason
-            changes = [a for a in plan.actions if not isinstance(a, Verify)]
-            if changes or plan.blocked:
-                self._record(record, state.WORKING, "")
+            # Node-wide, held from the ownership check to the Working record that claims the
+            # modules (not through the work): two instances starting at once cannot both take
+            # one module.
+            with files.locked(self.root.runtime / "modules.lock"):
+                self._check_owner(verb, pid)
+                plan, record = self._claim(verb, pid)
             try:
                 Executor(
                     self.root,
@@ -107,6 +92,50 @@ class Instance:
                 raise
             self._record(record, state.DONE, why)
             return record
+
+    def _check_owner(self, verb: str, pid: int | None) -> None:
+        """One owner per module: refuse to load or unload a module another instance holds;
+        its modules stay as they are, and this one says Degraded, ModuleOwned, naming both."""
+        if verb == "build":
+            return
+        mine = [m.kernel_name for m in self.cfg.modules]
+        found = owners.shared(self.cfg.name, mine, holders(self.root, self.cfg.name))
+        if found:
+            detail = owners.describe(self.cfg.name, found)
+            record_failure(
+                self.root,
+                self.cfg.name,
+                self.kernel,
+                state.reason_text(state.MODULE_OWNED, detail),
+                pid,
+            )
+            raise StepFailed(state.MODULE_OWNED, detail)
+
+    def _claim(self, verb: str, pid: int | None) -> tuple[Plan, Record]:
+        """The plan, and the record that says Working before anything changes (KMM: status
+        written before acting)."""
+        previous = Record.read(self.root, self.cfg.name)
+        generation = (previous.generation if previous else 0) + 1
+        plan = self.plan(verb)
+        record = Record(
+            instance=self.cfg.name,
+            state=state.WORKING,
+            goal="unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
+            version=self.cfg.version,
+            kernel=self.kernel,
+            boot_id=boot_id(self.root),
+            modules=[m.kernel_name for m in self.cfg.modules],
+            generation=generation,
+            pid=pid,
+        )
+        if previous is not None:  # the next-kernel extension's findings outlive a reconcile
+            record.next_kernel = previous.next_kernel
+            record.next_kernel_state = previous.next_kernel_state
+            record.next_kernel_reason = previous.next_kernel_reason
+        changes = [a for a in plan.actions if not isinstance(a, Verify)]
+        if changes or plan.blocked:
+            self._record(record, state.WORKING, "")
+        return plan, record
 
     def note(self, new_state: str, reason: str, *, pid: int | None = None) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's
@@ -150,6 +179,33 @@ class Instance:
                 f" ({record.goal})" if new_state == state.DONE else "",
                 extra=fields,
             )
+
+
+def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
+    """The other instances' modules they hold now: recorded with the goal loaded, and either in
+    the kernel or being loaded (Working). A record that cannot be read holds nothing here (its
+    own daemon sets it aside and says so)."""
+    base = root.state / "instances"
+    try:
+        names = sorted(p.stem for p in base.glob("*.json") if p.stem != name)
+    except OSError:
+        return {}
+    out: dict[str, list[str]] = {}
+    for other in names:
+        try:
+            rec = Record.load(root, other)
+        except OSError:
+            continue
+        if rec is None or rec.goal != "loaded":
+            continue
+        held = [
+            m
+            for m in rec.modules
+            if rec.state == state.WORKING or kmod.read_module(root, m) is not None
+        ]
+        if held:
+            out[other] = held
+    return out
 
 
 def record_failure(

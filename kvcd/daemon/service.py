@@ -288,6 +288,8 @@ class Service:
                     # After-hooks may work long too (next-kernel builds ahead): keep feeding.
                     return self._after(inst, record)
             except StepFailed as exc:
+                if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
+                    self.config_invalid = True
                 if not exc.transient:
                     self._failed = (inst.cfg, verdict)
                     self._after(inst, None)

@@ -493,8 +493,13 @@ def context_kind(context: str) -> str:
     """``"dir"``, ``"tarball"``, ``"git"`` or ``"url"`` (a remote tarball); PodmanError if the
     context is none of the kinds BuildSpec allows."""
     if "://" in context:
+        if context.startswith(("git://", "git+https://")):
+            return "git"
         if not context.startswith("https://"):
-            raise PodmanError(f"build context {context!r}: only https:// URLs are accepted")
+            raise PodmanError(
+                f"build context {context!r}: only https://, git:// and git+https:// URLs "
+                "are accepted"
+            )
         url_path = context.split("#", 1)[0].split("?", 1)[0]
         if url_path.endswith(".git"):
             return "git"
@@ -679,8 +684,21 @@ def _build_request(
         except OSError as exc:
             raise PodmanError(f"build {spec.tag}: cannot read {spec.context}: {exc}") from exc
         return params, _file_chunks(opened), opened
-    params["remote"] = spec.context
+    params["remote"] = remote_context(spec.context)
     return params, iter(()), None
+
+
+def remote_context(context: str) -> str:
+    """The URL podman's build gets for a remote context. Podman clones git:// URLs and URLs
+    whose path ends in .git, and downloads any other http(s) URL as a tarball; so
+    git+https://host/repo[#ref] is sent as https://host/repo.git[#ref] (git servers answer to
+    both spellings), and the rest as written."""
+    if not context.startswith("git+https://"):
+        return context
+    url, hash_, ref = context[len("git+") :].partition("#")
+    if not url.endswith(".git"):
+        url = url.rstrip("/") + ".git"
+    return url + hash_ + ref
 
 
 class _Body:

@@ -169,9 +169,14 @@ class NodeWriter:
         self.failing = str(exc)
 
 
+# The environment variable that names the node (packaging/README.md: a kvcd@.service drop-in
+# with Environment=KVCD_NODE_NAME=%H where the kubelet's node name is not the host name).
+NODE_NAME_ENV = "KVCD_NODE_NAME"
+
+
 def node_name(settings: Settings, environ: Mapping[str, str], hostname: str) -> str:
-    """Config, then $NODE_NAME, then the hostname (Kubernetes' own default node name)."""
-    return settings.node_name or environ.get("NODE_NAME", "") or hostname.lower()
+    """Config, then $KVCD_NODE_NAME, then the hostname (Kubernetes' own default node name)."""
+    return settings.node_name or environ.get(NODE_NAME_ENV, "") or hostname.lower()
 
 
 def open_backend(root: HostRoot, settings: Settings, environ: Mapping[str, str]) -> Backend:

@@ -1,7 +1,7 @@
 """The Kubernetes node backend, through the official `kubernetes` client (imported lazily).
 
 Credentials: a kubeconfig path (settings `kubeconfig`) or the in-cluster service account. The
-node name comes from settings, $NODE_NAME or the hostname (backend.node_name).
+node name comes from settings, $KVCD_NODE_NAME or the hostname (backend.node_name).
 
 - Read: GET /api/v1/nodes/<name>.
 - Write: JSON merge patch of kvcd's own annotation keys only, carrying the resourceVersion of the

@@ -291,13 +291,26 @@ BAD_TOML = [
         "relative-context",
         doc(*HEAD, "[build]", 'context = "src/foo"'),
         5,
-        "'build.context' must be an absolute path (a directory or a tarball) or an https:// URL",
+        "'build.context' must be an absolute path (a directory or a tarball) or a URL",
     ),
     (
         "http-context",
         doc(*HEAD, "[build]", 'context = "http://example.com/x.git"'),
         5,
-        "'build.context' must be an absolute path",
+        "'build.context': http:// is not a build context kvcd can use; use https://, git://, "
+        "git+https:// or an absolute path",
+    ),
+    (
+        "password-in-context",
+        doc(*HEAD, "[build]", 'context = "https://bob:hunter2@git.example.com/x.git"'),
+        5,
+        "must not carry a password in the URL",
+    ),
+    (
+        "git-context-without-repository",
+        doc(*HEAD, "[build]", 'context = "git://example.com/"'),
+        5,
+        "names no repository",
     ),
     (
         "containerfile-dotdot",
@@ -469,10 +482,18 @@ def test_bad_instance_name(name: str) -> None:
     assert f"bad instance name {name!r}" in caught.value.detail
 
 
-@pytest.mark.parametrize("name", ["a", "nvidia-gpu", "x.y_z@1", "A" * 128])
+@pytest.mark.parametrize("name", ["a", "nvidia-gpu", "x.y_z-1", "A" * 128])
 def test_good_instance_names(name: str) -> None:
     text = doc('version = "1"', 'modules = ["a"]', 'image = "r/x"')
     assert parse_instance_toml(name, SRC, text).name == name
+
+
+@pytest.mark.parametrize("name", ["a@b", "kvcd@x", "x.y_z@1", "-x", ".x", "a/b", ""])
+def test_bad_instance_names(name: str) -> None:
+    """'@' would make kvcd@a@b.service, which systemd refuses: refused first, by name."""
+    text = doc('version = "1"', 'modules = ["a"]', 'image = "r/x"')
+    with pytest.raises(ConfigError, match="bad instance name"):
+        parse_instance_toml(name, SRC, text)
 
 
 def test_key_lines_locator() -> None:
@@ -668,14 +689,17 @@ def test_settings_all_keys(root: HostRoot) -> None:
     text = doc(
         'podman_socket = "ssh://core@node1/run/podman/podman.sock"',
         'annotation_prefix = "drivers.example.com"',
-        "[extra]",
-        'x = "y"',
+        'node_backend = "kubernetes"',
+        'kubeconfig = "/etc/kvcd/kubeconfig"',
+        'node_name = "worker-1"',
     )
     write(root.main_config, text)
     assert load_settings(root) == Settings(
         podman_socket="ssh://core@node1/run/podman/podman.sock",
         annotation_prefix="drivers.example.com",
-        extra={"x": "y"},
+        node_backend="kubernetes",
+        kubeconfig="/etc/kvcd/kubeconfig",
+        node_name="worker-1",
     )
 
 
@@ -698,7 +722,12 @@ BAD_SETTINGS = [
     ("prefix-long-label", doc(f'annotation_prefix = "{"a" * 64}.io"'), 1, "DNS subdomain"),
     ("socket-relative", doc('podman_socket = "unix://run/x.sock"'), 1, "'podman_socket' must be"),
     ("socket-not-string", doc("podman_socket = 1"), 1, "'podman_socket' must be a URL string"),
-    ("extra-not-string", doc("[extra]", "n = 1"), 2, "'extra.n' must be a string, got 1"),
+    (
+        "extra-table",  # what older docs said: refused, never read as the file backend
+        doc('podman_socket = "unix:///x"', "[extra]", 'node_backend = "kubernetes"'),
+        2,
+        "[extra] is not a kvcd setting: node_backend, kubeconfig and node_name are top-level keys",
+    ),
     ("syntax", doc("podman_socket = "), 1, "TOML syntax error"),
 ]
 

@@ -158,7 +158,7 @@ class Clock:
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
-    monkeypatch.setenv("NODE_NAME", "n1")
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
     return fakehost.instance_host(
         HostRoot(tmp_path / "root"),
         K,

@@ -300,3 +300,23 @@ def test_image_without_the_configured_module_is_refused(host: HostRoot) -> None:
     assert err.value.code == state.EXTRACT_FAILED
     assert "has no kvcd_extra.ko under /lib/modules/" in err.value.detail
     assert not (host.store("e2e") / "1.0" / K).exists()  # nothing half-written
+
+
+def test_a_git_protocol_build_warns_that_it_is_unauthenticated(
+    host: HostRoot, caplog: pytest.LogCaptureFixture
+) -> None:
+    import dataclasses
+    import logging
+
+    pod = FakePodman(host, K)
+    ctx = "git://github.com/kmods-via-containers/kvc-simple-kmod.git"
+    cfg = dataclasses.replace(config(host), build=BuildSource(ctx, "Containerfile", ()))
+    caplog.set_level(logging.WARNING)
+    Instance(host, Settings(), cfg, K, podman=lambda: pod).apply("load")
+    build = next(spec for what, spec in pod.calls if what == "build")
+    assert build.context == ctx
+    warned = [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert warned == [
+        f"build context {ctx} is fetched over git://, unauthenticated and unencrypted: anyone "
+        "on the network path can change the driver this node loads; prefer https://"
+    ]

@@ -7,10 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from kvcd import cli
 from kvcd.config.kvcconf import Assignment, parse_assignments
-from kvcd.config.loader import load_instance, parse_kvc_conf
+from kvcd.config.loader import (
+    check_kvc_global,
+    list_instances,
+    load_instance,
+    load_settings,
+    parse_kvc_conf,
+)
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec
 from kvcd.host.paths import HostRoot
+from tests import fakehost
 from tests.fakehost import doc, write
 
 SRC = Path("/etc/kvc/simple-kmod.conf")
@@ -161,10 +169,10 @@ BAD_KVC = [
         "'KMOD_CONTAINER_BUILD_CONTEXT' must be an absolute path",
     ),
     (
-        "git-protocol-context",
-        doc(*HEAD[:2], "KMOD_CONTAINER_BUILD_CONTEXT=git://example.com/x.git"),
+        "ftp-context",
+        doc(*HEAD[:2], "KMOD_CONTAINER_BUILD_CONTEXT=ftp://example.com/x.tar"),
         3,
-        "'KMOD_CONTAINER_BUILD_CONTEXT' must be an absolute path",
+        "'KMOD_CONTAINER_BUILD_CONTEXT': ftp:// is not a build context kvcd can use",
     ),
     (
         "build-file-dotdot",
@@ -453,3 +461,111 @@ def test_lib_in_world_writable_dir_refused(root: HostRoot) -> None:
     with pytest.raises(ConfigError) as caught:
         load_instance(root, "simple-kmod")
     assert "is writable by others without the sticky bit (mode 0777)" in caught.value.detail
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        "git://github.com/kmods-via-containers/kvc-simple-kmod.git",  # kvc-simple-kmod's own
+        "git+https://github.com/kmods-via-containers/kvc-simple-kmod",
+        "https://github.com/kmods-via-containers/kvc-simple-kmod.git",
+    ],
+)
+def test_kvc_git_contexts_are_accepted(context: str) -> None:
+    text = doc(*HEAD[:2], f"KMOD_CONTAINER_BUILD_CONTEXT={context}")
+    cfg = parse_kvc_conf("simple-kmod", SRC, text)
+    assert cfg.build is not None and cfg.build.context == context
+
+
+# --- KVC's node-wide conf: /etc/kvc/kmods-via-containers.conf ---------------------------------
+
+# What KVC installs (its runtime chooser, as a shell function): kvcd reads it as podman.
+KVC_STOCK_GLOBAL = """\
+# This configuration file is meant to be used with the
+# kmods-via-containers software stack.
+
+# podman     - for day-1 out-of-tree drivers
+# kubernetes - for day-2 out-of-tree drivers
+get_container_environment() {
+        if awk -F/ '$2 == "kubepods.slice"' /proc/self/cgroup | read non_empty_input; then
+                echo kubernetes
+        else
+                echo podman
+        fi
+}
+
+# The container runtime to use for building/executing containers
+KVC_CONTAINER_RUNTIME=$(get_container_environment)
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "fragment"),
+    [
+        (KVC_STOCK_GLOBAL, None, None),
+        ("KVC_CONTAINER_RUNTIME=podman\n", None, None),
+        ("# nothing set\n", None, None),
+        ("KVC_CONTAINER_RUNTIME=docker\n", 1, "KVC_CONTAINER_RUNTIME='docker': kvcd builds"),
+        ("\nKVC_CONTAINER_RUNTIME=kubernetes\n", 2, "set KVC_CONTAINER_RUNTIME=podman"),
+        ("KVC_CONTAINER_RUNTIME=podman\nKVC_DEBUG=1\n", 2, "'KVC_DEBUG' is not a setting"),
+        (
+            KVC_STOCK_GLOBAL.replace("echo podman", "echo docker"),
+            None,
+            "",
+        ),  # not the stock function: code kvcd will not run
+        ("KVC_CONTAINER_RUNTIME=$(which podman)\n", 1, ""),
+    ],
+    ids=[
+        "stock",
+        "podman",
+        "empty",
+        "docker",
+        "kubernetes",
+        "unknown-var",
+        "edited-function",
+        "command",
+    ],
+)
+def test_kvc_global_conf_is_podman_or_refused(
+    text: str, line: int | None, fragment: str | None
+) -> None:
+    path = "/etc/kvc/kmods-via-containers.conf"
+    if fragment is None:
+        assert check_kvc_global(path, text) == "podman"
+        return
+    with pytest.raises(ConfigError) as err:
+        check_kvc_global(path, text)
+    assert str(err.value).startswith(path)
+    assert fragment in str(err.value)
+    if line is not None:
+        assert err.value.line == line
+
+
+def test_kvc_global_conf_is_never_an_instance(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """KVC installs it on every node: `kvcd check-config --all` passes, `kvcd status` shows no
+    phantom instance, and the name is refused as an instance name."""
+    fakehost.write(root.kvc_conf("kmods-via-containers"), KVC_STOCK_GLOBAL)
+    fakehost.write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    assert list_instances(root) == ["simple-kmod"]
+    assert cli.main(["--root", str(root.root), "check-config", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "kmods-via-containers.conf: ok (KVC's node-wide conf" in out
+    assert "simple-kmod: ok" in out
+    assert cli.main(["--root", str(root.root), "status"]) == 0
+    assert "kmods-via-containers" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="is not an instance name"):
+        load_instance(root, "kmods-via-containers")
+
+
+def test_a_kvc_global_conf_kvcd_cannot_honor_fails_check_config_and_start(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write(root.kvc_conf("kmods-via-containers"), "KVC_CONTAINER_RUNTIME=docker\n")
+    fakehost.write(root.kvc_conf("simple-kmod"), KVC_SIMPLE)
+    assert cli.main(["--root", str(root.root), "check-config", "--all"]) == 2
+    err = capsys.readouterr().err
+    assert "kmods-via-containers.conf:1: KVC_CONTAINER_RUNTIME='docker'" in err
+    with pytest.raises(ConfigError):
+        load_settings(root)  # what `kvcd run` reads first: the start fails the same way

@@ -271,8 +271,10 @@ def test_cli_label_refuses_with_the_kubernetes_backend(
 @pytest.mark.parametrize(
     ("configured", "env", "host", "name"),
     [
-        ("n-cfg", {"NODE_NAME": "n-env"}, "H", "n-cfg"),
-        ("", {"NODE_NAME": "n-env"}, "H", "n-env"),
+        ("n-cfg", {"KVCD_NODE_NAME": "n-env"}, "H", "n-cfg"),
+        ("", {"KVCD_NODE_NAME": "n-env"}, "H", "n-env"),
+        # Kubernetes' downward-API name is not kvcd's: a stray NODE_NAME does not rename the node.
+        ("", {"NODE_NAME": "n-env"}, "Host-1", "host-1"),
         ("", {}, "Host-1", "host-1"),
     ],
 )

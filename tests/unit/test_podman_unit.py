@@ -168,14 +168,37 @@ def test_context_kind(tmp_path: Path) -> None:
     assert context_kind("https://example.com/org/driver.git") == "git"
     assert context_kind("https://example.com/org/driver.git#v1.2:src") == "git"
     assert context_kind("https://example.com/driver-1.2.tar.xz") == "url"
+    assert context_kind("git://github.com/kmods-via-containers/kvc-simple-kmod.git") == "git"
+    assert context_kind("git+https://example.com/org/driver#v1") == "git"
     for bad, why in [
-        ("http://example.com/driver.git", "only https"),
+        ("http://example.com/driver.git", "only https://, git:// and git\\+https://"),
         ("https://example.com/org/driver", "must be a git repository"),
         (str(tmp_path / "missing"), "does not exist"),
         (str(tmp_path / "notes.txt"), "neither a directory nor a tarball"),
     ]:
         with pytest.raises(PodmanError, match=why):
             context_kind(bad)
+
+
+@pytest.mark.parametrize(
+    ("context", "remote"),
+    [
+        # podman clones git:// and *.git URLs itself: sent as written
+        ("git://example.com/org/driver.git", "git://example.com/org/driver.git"),
+        ("https://example.com/org/driver.git#v1:src", "https://example.com/org/driver.git#v1:src"),
+        ("https://example.com/driver-1.2.tar.xz", "https://example.com/driver-1.2.tar.xz"),
+        # git+https: the https URL, with the .git podman needs to clone rather than download
+        ("git+https://example.com/org/driver", "https://example.com/org/driver.git"),
+        ("git+https://example.com/org/driver/", "https://example.com/org/driver.git"),
+        ("git+https://example.com/org/driver.git", "https://example.com/org/driver.git"),
+        ("git+https://example.com/org/driver#v1.2", "https://example.com/org/driver.git#v1.2"),
+    ],
+)
+def test_remote_context_is_what_podman_clones(context: str, remote: str) -> None:
+    assert pm.remote_context(context) == remote
+    spec = pm.BuildSpec(context=context, containerfile="Containerfile", tag="localhost/x:1")
+    params, _chunks, opened = pm._build_request(spec, context_kind(context))
+    assert params["remote"] == remote and opened is None
 
 
 def test_split_ref() -> None:

@@ -465,3 +465,23 @@ def test_a_reload_with_a_bad_config_says_the_reason_in_status(host: HostRoot) ->
     (status,) = [s for s in n.sent[-1:] if s.startswith("STATUS=")]
     assert status.startswith(f"STATUS=Degraded: ConfigInvalid: {cfg}"), status
     assert "no_such_key" in status
+
+
+def test_a_start_that_claims_another_instances_module_exits_2_and_touches_nothing(
+    host: HostRoot, fake_commands: Any
+) -> None:
+    """kvcd@e2e must not take kvcd_base from instance a: Degraded ModuleOwned, exit status 2
+    (RestartPreventExitStatus=2: no restart loop), and not one module command run."""
+    (host.sys_module / "kvcd_base").mkdir(parents=True)
+    Record(instance="a", state=state.DONE, goal="loaded", modules=["kvcd_base"]).write(host)
+    svc, n = service(host)
+    before = len(fake_commands.calls())
+    assert svc.reconcile([Event("start", retry=True)]) is None
+    assert svc.config_invalid, "ModuleOwned must end kvcd run with exit status 2"
+    assert len(fake_commands.calls()) == before
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.reason.startswith(
+        "ModuleOwned: kvcd_base is owned by instance a"
+    )
+    svc._announce(None, ready=False)
+    assert n.sent[-1].startswith("STATUS=Degraded: ModuleOwned: kvcd_base is owned by instance a")

@@ -167,7 +167,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole path: labels in node.json -> verdict -> reconcile -> annotations written back."""
-    monkeypatch.setenv("NODE_NAME", "n1")
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
     monkeypatch.setattr(extensions, "build", node_extensions)
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
     node = FileBackend(host, "n1")

@@ -1,0 +1,377 @@
+"""Docs are tests: what README.md and packaging/ tell an admin to paste is fed to kvcd's own code.
+
+Every fenced block of the Markdown files, and every file payload of the Butane and MachineConfig
+examples, is classified and checked:
+
+- TOML: its first line names the file it is for (`# /etc/kvcd/kvcd.toml`,
+  `# /etc/kvcd/instances/NAME.toml`); it goes through the real loader, and the settings it
+  shows are asserted where the docs promise an effect (EXPECT).
+- systemd drop-ins (ini): first line names the drop-in; sections and keys must be ones systemd
+  has, and every Environment= name must be one kvcd reads.
+- shell (sh): every `kvcd ...` line is parsed by kvcd's own argument parser; every
+  MESSAGE_ID=... is one kvcd logs.
+- the command synopsis: every verb and option exists.
+- Anywhere in the docs, every KVCD_* name must be one the code (or the harness) uses.
+
+A block the walker cannot classify fails, naming its file and line: new docs stay checkable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import configparser
+import re
+import shlex
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvcd import cli
+from kvcd.config.loader import parse_instance_toml, parse_settings_toml
+from kvcd.config.model import ConfigError, InstanceConfig, Settings
+from kvcd.host import journal
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "packaging").rglob("*.md"))]
+PAYLOAD_FILES = [
+    REPO / "packaging/rpm-ostree/99-kvcd-machineconfig.yaml",
+    REPO / "packaging/rpm-ostree/kvcd-fcos.bu",
+]
+# Blocks that show output or are not for pasting: (file name, first line of the block).
+OUTPUT_BLOCKS = {
+    ("README.md", "drift: watching 12 files"),
+}
+# Placeholders the docs use, and what stands for them when a line is parsed.
+PLACEHOLDERS = {"<name>": "foo", "<driver>": "foo", "NAME": "foo", "<version>": "1.0"}
+SYSTEMD_SECTIONS = {"Unit", "Service", "Install"}
+# The systemd keys the docs may set in a drop-in (extend when a doc needs another real one).
+SYSTEMD_KEYS = {
+    "Environment",
+    "EnvironmentFile",
+    "ReadWritePaths",
+    "ExecStart",
+    "ExecStartPre",
+    "Restart",
+    "RestartSec",
+    "TimeoutStartSec",
+    "WatchdogSec",
+    "Description",
+    "After",
+    "Before",
+    "Wants",
+    "Requires",
+    "ConditionPathExists",
+    "Type",
+    "RemainAfterExit",
+    "WantedBy",
+}
+# Environment names a drop-in may set that kvcd does not read itself but its tools do.
+TOOL_ENV = {"HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy"}
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: Path
+    line: int  # of the opening fence
+    lang: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc.relative_to(REPO)}:{self.line}"
+
+    @property
+    def first(self) -> str:
+        return self.text.splitlines()[0] if self.text.strip() else ""
+
+
+def blocks(doc: Path) -> Iterator[Block]:
+    lines = doc.read_text().splitlines()
+    fence = re.compile(r"^\s*```(\S*)\s*$")
+    i = 0
+    while i < len(lines):
+        m = fence.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, lang, body = i + 1, m.group(1), []
+        i += 1
+        while i < len(lines) and not fence.match(lines[i]):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        yield Block(doc, start, lang, "\n".join(body) + "\n")
+
+
+ALL_BLOCKS = [b for d in DOCS for b in blocks(d)]
+
+
+# --- what the code reads ---------------------------------------------------------------------
+
+
+def _literals(paths: list[Path]) -> set[str]:
+    out: set[str] = set()
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        out |= {
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        }
+    return out
+
+
+KVCD_LITERALS = _literals(sorted((REPO / "kvcd").rglob("*.py")))
+ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]+$")
+HARNESS_TEXT = "\n".join(
+    p.read_text()
+    for p in [
+        REPO / "Makefile",
+        *sorted((REPO / "scripts").rglob("*.sh")),
+        *sorted((REPO / "tests/e2e").rglob("*.py")),
+        *sorted((REPO / "tests/e2e").rglob("*.sh")),
+    ]
+)
+MESSAGE_IDS = {v for k, v in vars(journal).items() if k.startswith("MSG_")}
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def check_toml(where: str, text: str) -> Settings | InstanceConfig:
+    caption = text.splitlines()[0] if text.strip() else ""
+    m = re.fullmatch(r"#\s*(/etc/kvcd/(?:kvcd\.toml|instances/([^/\s]+)\.toml))\s*", caption)
+    if not m:
+        pytest.fail(f"{where}: a TOML block must start with '# /etc/kvcd/...' naming its file")
+    path, name = m.group(1), m.group(2)
+    try:
+        if name is None:
+            return parse_settings_toml(path, text)
+        return parse_instance_toml(name, path, text)
+    except ConfigError as exc:
+        pytest.fail(f"{where}: kvcd refuses this block: {exc}")
+
+
+def check_dropin(where: str, text: str, caption_required: bool = True) -> None:
+    caption = text.splitlines()[0] if text.strip() else ""
+    if caption_required and not re.fullmatch(
+        r"#\s*/etc/systemd/system/\S+\.d/\S+\.conf\s*", caption
+    ):
+        pytest.fail(f"{where}: a drop-in block must start with '# /etc/systemd/system/...d/X.conf'")
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    try:
+        parser.read_string(text)
+    except configparser.Error as exc:
+        pytest.fail(f"{where}: not a unit file: {exc}")
+    for section in parser.sections():
+        assert section in SYSTEMD_SECTIONS, f"{where}: [{section}] is not a unit section"
+        for key, value in parser.items(section):
+            assert key in SYSTEMD_KEYS, f"{where}: {key}= is not a key this test knows systemd has"
+            if key == "Environment":
+                for assignment in shlex.split(value):
+                    env = assignment.split("=", 1)[0]
+                    assert env in KVCD_LITERALS or env in TOOL_ENV, (
+                        f"{where}: Environment={env}=: kvcd does not read {env}"
+                    )
+
+
+def _words(line: str) -> list[str]:
+    line = line.split(" #", 1)[0].strip()
+    for placeholder, value in PLACEHOLDERS.items():
+        line = line.replace(placeholder, value)
+    try:
+        words = shlex.split(line)
+    except ValueError:
+        return []
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words.pop(0)  # VAR=value before a command
+    if words[:1] == ["sudo"]:
+        words.pop(0)
+    return words
+
+
+def check_kvcd_argv(where: str, argv: list[str]) -> None:
+    try:
+        cli._parser().parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"{where}: `kvcd {' '.join(argv)}` is refused by kvcd's parser (exit {exc})")
+
+
+def check_shell(block: Block) -> None:
+    for n, line in enumerate(block.text.splitlines(), start=block.line + 1):
+        words = _words(line)
+        if words[:1] == ["kvcd"]:
+            check_kvcd_argv(f"{block.doc.name}:{n}", words[1:])
+        for mid in re.findall(r"MESSAGE_ID=([0-9a-f]{32})", line):
+            assert mid in MESSAGE_IDS, f"{block.doc.name}:{n}: kvcd logs no MESSAGE_ID={mid}"
+
+
+def check_synopsis(block: Block) -> None:
+    """`kvcd [--root DIR] VERB ARGS...  comment`: each verb and option exists."""
+    parser = cli._parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for n, line in enumerate(block.text.splitlines(), start=block.line + 1):
+        m = re.match(r"\s*kvcd \[--root DIR\] (\S+)(.*?)(?:\s{2,}.*)?$", line)
+        assert m, f"{block.doc.name}:{n}: not a synopsis line: {line!r}"
+        verb, rest = m.group(1), m.group(2)
+        assert verb in verbs.choices, f"{block.doc.name}:{n}: no verb {verb!r}"
+        options = {s for a in verbs.choices[verb]._actions for s in a.option_strings}
+        for opt in re.findall(r"--[a-z][a-z-]*", rest):
+            assert opt in options, f"{block.doc.name}:{n}: `kvcd {verb}` has no {opt}"
+
+
+def classify(block: Block) -> str:
+    if block.lang == "toml":
+        return "toml"
+    if block.lang == "ini":
+        return "dropin"
+    if block.lang == "sh":
+        return "shell"
+    if block.first.lstrip().startswith("kvcd [--root DIR]"):
+        return "synopsis"
+    if (block.doc.name, block.first.split("  #")[0].strip()) in OUTPUT_BLOCKS:
+        return "output"
+    return "unknown"
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[b.where for b in ALL_BLOCKS])
+def test_every_block_is_what_kvcd_accepts(block: Block) -> None:
+    kind = classify(block)
+    if kind == "toml":
+        check_toml(block.where, block.text)
+    elif kind == "dropin":
+        check_dropin(block.where, block.text)
+    elif kind == "shell":
+        check_shell(block)
+    elif kind == "synopsis":
+        check_synopsis(block)
+    elif kind == "unknown":
+        pytest.fail(
+            f"{block.where}: a ```{block.lang} block this test cannot check; tag it toml, ini or "
+            "sh (with a caption line naming the file), or list it in OUTPUT_BLOCKS"
+        )
+
+
+# What the docs promise a block does, asserted on what the loader made of it.
+EXPECT: dict[str, dict[str, Any]] = {
+    "packaging/README.md:/etc/kvcd/kvcd.toml": {
+        "node_backend": "kubernetes",
+        "kubeconfig": "/etc/kvcd/kubeconfig",
+    },
+    "README.md:/etc/kvcd/instances/foo.toml": {
+        "version": "1.0",
+        "unload_on_stop": True,
+    },
+}
+
+
+@pytest.mark.parametrize("key", sorted(EXPECT))
+def test_the_documented_settings_take_effect(key: str) -> None:
+    doc, path = key.split(":", 1)
+    (block,) = [
+        b
+        for b in ALL_BLOCKS
+        if str(b.doc.relative_to(REPO)) == doc and b.lang == "toml" and path in b.first
+    ]
+    got = check_toml(block.where, block.text)
+    for field, want in EXPECT[key].items():
+        assert getattr(got, field) == want, f"{block.where}: {field} = {getattr(got, field)!r}"
+
+
+def test_every_kvcd_name_in_the_docs_is_used_by_the_code() -> None:
+    for doc in [*DOCS, *PAYLOAD_FILES, REPO / "config/kvcd.toml"]:
+        text = doc.read_text()
+        for m in re.finditer(r"\bKVCD_[A-Z0-9_]*[A-Z0-9]\b", text):
+            name = m.group(0)
+            line = text.count("\n", 0, m.start()) + 1
+            assert name in KVCD_LITERALS or name in HARNESS_TEXT, (
+                f"{doc.relative_to(REPO)}:{line}: nothing in kvcd reads or writes {name}"
+            )
+
+
+# --- Butane and MachineConfig payloads -------------------------------------------------------
+
+
+def _data_url(source: str) -> str:
+    head, _, data = source.partition(",")
+    if head.endswith(";base64"):
+        return base64.b64decode(data).decode()
+    return urllib.parse.unquote(data)
+
+
+def payloads() -> Iterator[tuple[str, str, str]]:
+    """(where, path on the node, contents) of every file and unit the examples write."""
+    for doc in PAYLOAD_FILES:
+        for obj in yaml.safe_load_all(doc.read_text()):
+            config = obj.get("spec", {}).get("config", obj) if isinstance(obj, dict) else {}
+            for f in config.get("storage", {}).get("files", []):
+                contents = f.get("contents", {})
+                text = contents.get("inline")
+                if text is None and "source" in contents:
+                    text = _data_url(contents["source"])
+                if text is not None:
+                    yield f"{doc.name}:{f['path']}", f["path"], text
+            for unit in config.get("systemd", {}).get("units", []):
+                if "contents" in unit:
+                    yield (
+                        f"{doc.name}:{unit['name']}",
+                        f"/etc/systemd/system/{unit['name']}",
+                        (unit["contents"]),
+                    )
+
+
+PAYLOADS = list(payloads())
+
+
+def test_the_examples_carry_the_files_they_describe() -> None:
+    paths = {path for _w, path, _t in PAYLOADS}
+    assert "/etc/kvcd/instances/simple-kmod.toml" in paths
+    assert "/etc/systemd/system/kvcd@.service.d/10-node-name.conf" in paths
+
+
+@pytest.mark.parametrize(("where", "path", "text"), PAYLOADS, ids=[w for w, _p, _t in PAYLOADS])
+def test_every_payload_is_what_kvcd_accepts(where: str, path: str, text: str) -> None:
+    if path.startswith("/etc/kvcd/") and path.endswith(".toml"):
+        check_toml(where, f"# {path}\n{text}")
+    elif re.search(r"\.(service|conf)$", path) and "/systemd/" in path:
+        check_dropin(where, text, caption_required=False)
+    elif path.startswith("/etc/yum.repos.d/"):
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(text)
+        assert parser.sections(), where
+    else:
+        pytest.fail(f"{where}: a payload this test cannot check ({path})")
+
+
+# --- the walker itself finds what is wrong ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "fragment"),
+    [
+        ("toml", '# /etc/kvcd/kvcd.toml\n[extra]\nnode_backend = "kubernetes"\n', "[extra]"),
+        ("toml", 'version = "1.0"\n', "must start with '# /etc/kvcd/"),
+        ("toml", '# /etc/kvcd/instances/x.toml\nversion = "1.0"\nmodulez = ["a"]\n', "modulez"),
+        (
+            "dropin",
+            "# /etc/systemd/system/kvcd@.service.d/1.conf\n[Service]\nEnvironment=NODE_NAME=%H\n",
+            "kvcd does not read NODE_NAME",
+        ),
+        ("dropin", "[Service]\nEnvironment=KVCD_NODE_NAME=%H\n", "must start with"),
+        ("shell", "kvcd check-config --everything\n", "refused by kvcd's parser"),
+        ("shell", "journalctl MESSAGE_ID=00000000000000000000000000000000\n", "no MESSAGE_ID"),
+    ],
+)
+def test_the_checks_catch_a_drifted_doc(kind: str, text: str, fragment: str) -> None:
+    block = Block(REPO / "README.md", 1, {"dropin": "ini", "shell": "sh"}.get(kind, kind), text)
+    with pytest.raises((pytest.fail.Exception, AssertionError)) as err:
+        test_every_block_is_what_kvcd_accepts(block)
+    assert fragment in str(err.value)
