@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec, Settings
 from kvcd.config.tomlsrc import KeyLines, decode
+from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
 
 if TYPE_CHECKING:
     from kvcd.config.kvcconf import Assignment
@@ -842,6 +843,20 @@ class _TomlInstance:
         if "upgrade_label" in data:
             values["upgrade_label"] = self.check(
                 qualified_name, data["upgrade_label"], "upgrade_label"
+            )
+            kmm = kmm_label_problem(values["upgrade_label"])
+            if kmm is not None:
+                raise self.fail(f"'upgrade_label' {kmm}", "upgrade_label")
+        version = data.get("version")
+        if (
+            values.get("ordered_upgrade")
+            and isinstance(version, str)
+            and not valid_label_value(version)
+        ):
+            raise self.fail(
+                f"'version' {version!r} cannot be an ordered-upgrade label value, which "
+                f"must equal it ({LABEL_VALUE_RULE})",
+                "version",
             )
         if "drain" in data:
             values["drain"] = self.check(

@@ -188,9 +188,12 @@ class Reporter(Extension):
 # --- `kvcd label` / `kvcd annotate`: the admin's side of the file backend ----------------------
 
 
-def parse_edits(edits: list[str]) -> dict[str, str | None]:
-    """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one."""
+def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]:
+    """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one.
+    Label values must be what Kubernetes accepts on a Node, so a file-backend node never holds
+    a label a cluster would refuse."""
     from kvcd.config.loader import qualified_name
+    from kvcd.core.labels import LABEL_VALUE_RULE, valid_label_value
 
     out: dict[str, str | None] = {}
     for edit in edits:
@@ -206,6 +209,8 @@ def parse_edits(edits: list[str]) -> dict[str, str | None]:
             raise ValueError(f"{edit!r}: {exc}") from None
         if value is not None and ("\n" in value or "\0" in value or len(value) > 1024):
             raise ValueError(f"{edit!r}: the value must be one line of at most 1024 characters")
+        if labels and value is not None and not valid_label_value(value):
+            raise ValueError(f"{edit!r}: {LABEL_VALUE_RULE}")
         out[key] = value
     return out
 
@@ -232,7 +237,7 @@ def edit_node_command(root: HostRoot, verb: str, edits: list[str]) -> int:
         )
         return 2
     try:
-        patch = parse_edits(edits)
+        patch = parse_edits(edits, labels=verb == "label")
     except ValueError as exc:
         print(f"kvcd {verb}: {exc}", file=sys.stderr)
         return 2
