@@ -106,11 +106,29 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI. Exit 0 ok, 1 failed (including a host error: one line naming the path and the
+    cause, never a traceback), 2 bad usage or configuration, 130 interrupted."""
     args = _parser().parse_args(argv)
+    from kvcd.config.model import ConfigError
     from kvcd.host.journal import setup_logging
 
     setup_logging(args.verbose, getattr(args, "instance", None))
     root = HostRoot(Path(args.root))
+    try:
+        return _verb(root, args)
+    except ConfigError as exc:
+        print(f"kvcd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # read-only /run, a full /var, EACCES …: the host said no
+        from kvcd.host.files import os_error
+
+        print(f"kvcd: {os_error(exc)}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+def _verb(root: HostRoot, args: argparse.Namespace) -> int:
     if args.verb == "status":
         return _status(root, args.instance, args.json)
     if args.verb in ("label", "annotate"):
@@ -121,19 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcd.daemon.kabi import kabi_command
 
         return kabi_command(root, args.target, args.kernel, args.json)
-    from kvcd.config.model import ConfigError
+    if args.verb == "capabilities":
+        from kvcd.daemon.variants import capabilities_command
 
-    try:
-        if args.verb == "capabilities":
-            from kvcd.daemon.variants import capabilities_command
-
-            return capabilities_command(root, args.json, args.explain, args.kernel)
-        return _dispatch(root, args)
-    except ConfigError as exc:
-        print(f"kvcd: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+        return capabilities_command(root, args.json, args.explain, args.kernel)
+    return _dispatch(root, args)
 
 
 def _status(root: HostRoot, only: str | None, as_json: bool) -> int:

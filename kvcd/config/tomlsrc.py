@@ -44,6 +44,8 @@ def decode(path: Path | str, text: str) -> dict[str, Any]:
         detail = _AT_LINE.sub("", message).strip() if found else message
         where = f" (column {found.group(2)})" if found else ""
         raise ConfigError(path, f"TOML syntax error: {detail}{where}", line) from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise ConfigError(path, "TOML nested too deeply (arrays or inline tables)") from None
 
 
 class KeyLines:

@@ -198,7 +198,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
 def _unreadable(name: str, exc: OSError) -> dict[str, Any]:
     """The entry of an instance whose record cannot be read: one clear line, `kvcd status`
     exits 1. The daemon sets a damaged record aside and rebuilds it."""
-    text = str(exc) if isinstance(exc, files.FileError) else f"{exc.strerror or exc}"
+    text = files.os_error(exc)
     return {
         "instance": name,
         "state": "Unknown",

@@ -36,6 +36,13 @@ from kvcd.host.paths import OWN_DIRS
 log = logging.getLogger(__name__)
 
 
+def os_error(exc: OSError) -> str:
+    """One line: the path and the cause (`/run/kvcd/x.lock: Read-only file system`)."""
+    if isinstance(exc, FileError) or exc.filename is None or not exc.strerror:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror}"
+
+
 class FileError(OSError):
     """A file of kvcd's own that kvcd will not use as it is. str() is one line."""
 
