@@ -46,6 +46,8 @@ REBOOT_PENDING = "RebootRequired"
 # A file of kvcd's own (the instance record, a drift record, the node file) did not parse and
 # was set aside, or is not a regular file; kvcd rebuilds what it can from the host.
 STATE_DAMAGED = "StateDamaged"
+# The host refused kvcd's own files (read-only, full, permission denied): retried with backoff.
+HOST_ERROR = "HostError"
 # Another instance holds a module this one lists (kvcd/core/owners.py): one owner per module.
 MODULE_OWNED = "ModuleOwned"
 REASONS = (
@@ -76,6 +78,7 @@ REASONS = (
     REBOOT_PENDING,
     STATE_DAMAGED,
     MODULE_OWNED,
+    HOST_ERROR,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

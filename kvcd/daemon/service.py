@@ -280,13 +280,20 @@ class Service:
                 return self._after(inst, None)
             try:
                 with _Keepalive(self.notify):
-                    if verdict.verb == HOLD:
-                        record = inst.note(verdict.state, verdict.reason, pid=os.getpid())
-                    else:
-                        record = inst.apply(verdict.verb, pid=os.getpid(), why=verdict.reason)
-                    self._failed = None
-                    # After-hooks may work long too (next-kernel builds ahead): keep feeding.
-                    return self._after(inst, record)
+                    try:
+                        if verdict.verb == HOLD:
+                            record = inst.note(verdict.state, verdict.reason, pid=os.getpid())
+                        else:
+                            record = inst.apply(verdict.verb, pid=os.getpid(), why=verdict.reason)
+                        self._failed = None
+                        # After-hooks may work long too (next-kernel builds ahead): keep feeding.
+                        return self._after(inst, record)
+                    except files.Refused:
+                        raise  # not the host's refusal: someone's file where kvcd's belongs
+                    except OSError as exc:  # a full /var, a read-only /run: wait and retry
+                        raise StepFailed(
+                            state.HOST_ERROR, files.os_error(exc), transient=True
+                        ) from exc
             except StepFailed as exc:
                 if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
                     self.config_invalid = True
@@ -298,7 +305,8 @@ class Service:
                 attempt += 1
                 log.warning("%s; retrying in %.0fs", exc, delay, extra=self.fields)
                 self.notify.status(f"{exc}; retrying in {delay:.0f}s")
-                self._after(inst, None)
+                with contextlib.suppress(OSError):  # the record may be what cannot be written
+                    self._after(inst, None)
                 self._wait(delay, events=False)
                 if self._pending & {signal.SIGTERM, signal.SIGINT}:
                     return None

@@ -20,7 +20,7 @@ import pytest
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
-from kvcd.core.state import StepFailed
+from kvcd.core.state import Backoff, StepFailed
 from kvcd.daemon import extensions
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
@@ -485,3 +485,36 @@ def test_a_start_that_claims_another_instances_module_exits_2_and_touches_nothin
     )
     svc._announce(None, ready=False)
     assert n.sent[-1].startswith("STATUS=Degraded: ModuleOwned: kvcd_base is owned by instance a")
+
+
+def test_a_full_disk_is_retried_with_backoff_not_a_crash(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC writing the record: the daemon stays up, says HostError with the path in STATUS=,
+    retries with backoff, and converges once the disk has room again."""
+    import errno
+
+    use(monkeypatch)
+    real = Record.write
+    failures = {"left": 2}
+
+    def write(self: Record, root: HostRoot) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
+        real(self, root)
+
+    monkeypatch.setattr(Record, "write", write)
+    n = fakehost.RecordingNotifier()
+    svc = Service(host, "e2e", K, n, backoff=Backoff(first=0.01, cap=0.01))
+    svc._install()
+    try:
+        rec = svc.reconcile([Event("start", retry=True)])
+    finally:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+    assert rec is not None and rec.state == state.DONE
+    said = [s for s in n.sent if s.startswith("STATUS=HostError:")]
+    assert said and f"{host.state_file('e2e')}: No space left on device" in said[0], n.sent
+    svc.stop_extensions()
