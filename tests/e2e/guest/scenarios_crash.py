@@ -51,7 +51,11 @@ from kvcdguest import (
 
 TOKEN = Path("/run/kvcd-e2e-crash-token")
 DROPIN = Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf")
-VERSION = "3.0"  # a version the host compiled for the guest kernel (run-guest.sh), or built here
+# Versions the host compiled for the guest kernel (run-guest.sh): each start-time point
+# upgrades from one to the other, so the crash lands in a real upgrade and the version it
+# removes first (image, extracted tree) is never the one in use.
+VERSIONS = ("2.0", "3.0")
+CURRENT = {"version": VERSIONS[1]}
 STATE = Path("/var/lib/kvcd")
 RUNTIME = Path("/run/kvcd")
 KVER1 = (PAYLOAD / "kver").read_text().strip()
@@ -103,17 +107,20 @@ def disarm() -> None:
     sh(["systemctl", "reset-failed", UNIT], check=False)
 
 
-def fresh_build() -> None:
-    """Stopped, and neither the image nor the extracted tree of VERSION kept: the next start
-    builds, extracts, runs depmod and loads, passing every start-time point."""
+def version() -> str:
+    return CURRENT["version"]
+
+
+def upgrade_from_scratch() -> None:
+    """Stopped, configured for the other version, whose image and extracted tree are gone: the
+    next start builds, extracts, runs depmod and loads, passing every start-time point."""
+    target = VERSIONS[0] if version() == VERSIONS[1] else VERSIONS[1]
     sh(["systemctl", "stop", UNIT], timeout=600)
-    for mod in reversed(MODS):
-        if mod in proc_modules():
-            sh(["modprobe", "-r", mod], check=False)
-    tag = f"localhost/kvcd-{INSTANCE}-{VERSION}:{KVER1}"
-    sh(["podman", "rmi", "--force", tag], check=False, timeout=300)
-    for tree in (STATE / "store" / INSTANCE / VERSION).glob("*"):
+    sh(["podman", "rmi", "--force", f"localhost/kvcd-{INSTANCE}-{target}:{KVER1}"], check=False)
+    for tree in (STATE / "store" / INSTANCE / target).glob("*"):
         sh(["rm", "-rf", str(tree)])
+    set_instance(version=target, **{"build.containerfile": containerfile(target)})
+    CURRENT["version"] = target
 
 
 def both_live() -> bool:
@@ -152,10 +159,10 @@ def problems_on_disk() -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def _instance_at_version() -> Iterator[None]:
     original = INSTANCE_FILE.read_text()
-    set_instance(version=VERSION, **{"build.containerfile": containerfile(VERSION)})
+    set_instance(version=version(), **{"build.containerfile": containerfile(version())})
     sh(["systemctl", "reset-failed", UNIT], check=False)
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
-    st = wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled at {VERSION}")
+    st = wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled at {version()}")
     print(f"settled: {st}")
     sh(["podman", "images"], check=False)
     yield
@@ -188,23 +195,37 @@ def converge(point: str, trigger: str, t0: float, start_again: bool = False) -> 
     try:
         st = wait_for(settled, 600, f"{INSTANCE} to converge after the crash at {point}", 1)
     except AssertionError:
-        diagnose()
+        explain()
         raise
     seconds = time.monotonic() - t0
     TABLE.append((point, trigger, left, seconds))
     record_timing(f"crash_{point}", seconds)
     assert st["state"] == "Done", f"after the crash at {point}: {st}"
-    assert both_live() and module_version("kvcd_user") == VERSION, sorted(proc_modules())
+    assert both_live() and module_version("kvcd_user") == version(), sorted(proc_modules())
     assert "kvcd_user" in proc_modules()["kvcd_base"]
     assert problems_on_disk() == []
     return st
+
+
+def console(text: str) -> None:
+    """Lines on the guest's console (the host's console.log shows them while the run goes on)."""
+    with open("/dev/kmsg", "w") as kmsg:
+        for line in text.splitlines()[-60:]:
+            kmsg.write(f"kvcd-e2e-crash: {line[:900]}\n")
+            kmsg.flush()
+
+
+def explain() -> None:
+    diagnose()
+    log = ["journalctl", "-b", "--no-pager", "-n", "60", "-o", "cat", "-u", UNIT]
+    console(sh(["kvcd", "status"], check=False).stdout + sh(log, check=False).stdout)
 
 
 def wait_fired(point: str) -> float:
     try:
         wait_for(lambda: not TOKEN.exists(), 300, f"kvcd to reach the fail point {point}", 0.2)
     except AssertionError:
-        diagnose()
+        explain()
         raise
     # SIGKILL is immediate, a delayed one follows within its delay: the process is gone then.
     time.sleep(POINTS[point][1] + 0.5)
@@ -214,7 +235,7 @@ def wait_fired(point: str) -> float:
 @pytest.mark.parametrize("point", [p for p, (t, _d) in POINTS.items() if t == "start"])
 def test_a_start_killed_at_the_point_converges(point: str) -> None:
     _trigger, delay = POINTS[point]
-    fresh_build()
+    upgrade_from_scratch()
     arm(point, delay)
     TOKEN.touch()
     sh(["systemctl", "start", "--no-block", UNIT])
@@ -249,7 +270,7 @@ def test_a_stop_killed_between_two_unloads_is_said_and_the_next_start_converges(
 
 @pytest.mark.skipif(not KVER2, reason="run-guest.sh gave no second kernel (payload/kver2)")
 def test_next_kernel_preparation_killed_converges() -> None:
-    if containerfile(VERSION, KVER1) != containerfile(VERSION, KVER2):
+    if containerfile(version(), KVER1) != containerfile(version(), KVER2):
         set_instance(**{"build.containerfile": "Containerfile"})
     arm("nextkernel", POINTS["nextkernel"][1])
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
@@ -272,4 +293,4 @@ def test_next_kernel_preparation_killed_converges() -> None:
     finally:
         (ENTRIES / f"{bls_entry(KVER2)}.conf").unlink(missing_ok=True)
         set_grub_default(bls_entry(KVER1))
-        set_instance(**{"build.containerfile": containerfile(VERSION)})
+        set_instance(**{"build.containerfile": containerfile(version())})
