@@ -110,9 +110,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     cause, never a traceback), 2 bad usage or configuration, 130 interrupted."""
     args = _parser().parse_args(argv)
     from kvcd.config.model import ConfigError
+    from kvcd.core import names
     from kvcd.host.journal import setup_logging
 
-    setup_logging(args.verbose, getattr(args, "instance", None))
+    # Names and kernels at the edge, before any path is made of them (kvcd/core/names.py).
+    name, kernel = getattr(args, "instance", None), getattr(args, "kernel", None)
+    problem = (name is not None and names.instance_problem(name)) or (
+        kernel is not None and names.kernel_problem(kernel)
+    )
+    if problem:
+        print(f"kvcd: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(args.verbose, name)
     root = HostRoot(Path(args.root))
     try:
         return _verb(root, args)
@@ -249,7 +258,7 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
     from kvcd.daemon.observe import host_for
-    from kvcd.daemon.record import running_kernel
+    from kvcd.daemon.record import KernelUnknown, running_kernel
     from kvcd.host.pylibs import check_settings
 
     settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
@@ -263,7 +272,7 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     if kernel is None:
         try:
             kernel = running_kernel(root)
-        except RuntimeError:  # offline check of a tree without /proc: validate, do not plan
+        except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
             kernel = None
     bad = 0
     for name in names:

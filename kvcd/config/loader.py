@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec, Settings
 from kvcd.config.tomlsrc import KeyLines, decode
+from kvcd.core import names
 from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
 
 if TYPE_CHECKING:
@@ -71,9 +72,8 @@ class ConfigLocations(Protocol):
 
 # --- rules ---------------------------------------------------------------------------------
 
-# The <name> of kvcd@<name>.service and of its files: systemd's instance characters without ':'
-# and '\\' (escapes), and never '@' (systemd takes it for the template separator).
-INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# The <name> of kvcd@<name>.service and of its files (kvcd/core/names.py).
+INSTANCE_NAME = names.INSTANCE_NAME
 # Build context URLs: what podman builds (https:// git repositories and tarballs, git://), and
 # pip's git+https:// spelling of a git repository over https.
 CONTEXT_SCHEMES = ("https", "git", "git+https")

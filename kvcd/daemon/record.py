@@ -12,17 +12,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvcd.core import state
+from kvcd.core import names, state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
 
 
+class KernelUnknown(OSError):
+    """The running kernel's release cannot be read, or is not one kvcd can use."""
+
+
 def running_kernel(root: HostRoot) -> str:
+    """The running kernel's release, checked like every kernel string (kvcd/core/names.py)."""
     text = files.read_host_text(root.osrelease)
     if not text or not text.strip():
-        raise RuntimeError(f"cannot read the running kernel release from {root.osrelease}")
+        raise KernelUnknown(0, "cannot read the running kernel release", str(root.osrelease))
+    problem = names.kernel_problem(text.strip())
+    if problem is not None:
+        raise KernelUnknown(0, problem, str(root.osrelease))
     return text.strip()
 
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcd.core import names
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run, which
 
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 ENTRIES = "/boot/loader/entries"
 GRUBENV = ("/boot/grub2/grubenv", "/boot/grub/grubenv")
 VMLINUZ_LINKS = ("/vmlinuz", "/boot/vmlinuz")
-_KERNEL_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+~-]*")
+_KERNEL_RE = names.KERNEL_RELEASE
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{64}")
 _SEGMENT_RE = re.compile(r"\d+|[A-Za-z]+")
 
