@@ -494,6 +494,8 @@ def _version(value: object, label: str) -> str:
 def _module_names(values: list[object], label: str) -> tuple[str, ...]:
     if not values:
         raise _Invalid(f"'{label}' must not be empty: name the modules in load order")
+    if len(values) > MAX_MODULES:
+        raise _Invalid(f"'{label}' lists {len(values)} modules; at most {MAX_MODULES}")
     seen: dict[str, str] = {}
     for value in values:
         if not isinstance(value, str):
@@ -596,6 +598,14 @@ def _modules_path(value: object, label: str) -> str:
     return value
 
 
+# Upper bounds on what an instance may ask for: far above any real driver, low enough that a
+# typo or a generated file cannot make kvcd keep thousands of images or hand the kernel a
+# megabyte of parameters (README: "Limits").
+MAX_MODULES = 1000
+MAX_KEEP_IMAGES = 100
+MAX_PARAM_VALUE = 4096  # characters: one sysfs page, what the kernel shows of a parameter
+
+
 def _param_value(value: object, label: str) -> str:
     if isinstance(value, bool):  # before int: bool is an int in Python
         return "1" if value else "0"  # the kernel accepts 1/0 (and y/n) for bool params
@@ -605,6 +615,11 @@ def _param_value(value: object, label: str) -> str:
         raise _Invalid(f"'{label}' must be a string, integer or boolean, got {_show(value)}")
     if "\n" in value or "\0" in value:
         raise _Invalid(f"'{label}' must not contain a newline or NUL, got {_show(value)}")
+    if len(value) > MAX_PARAM_VALUE:
+        raise _Invalid(
+            f"'{label}' is {len(value)} characters long; a parameter value may have at most "
+            f"{MAX_PARAM_VALUE}"
+        )
     if any(c.isspace() for c in value) or '"' in value or _has_control(value):
         raise _Invalid(
             f"'{label}' must not contain whitespace, quotes or control characters (modprobe "
@@ -772,9 +787,12 @@ class _TomlInstance:
             values["unload_on_stop"] = value
         if "keep_images" in data:
             value = data["keep_images"]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            in_range = isinstance(value, int) and 1 <= value <= MAX_KEEP_IMAGES
+            if isinstance(value, bool) or not in_range:
                 raise self.fail(
-                    f"'keep_images' must be an integer >= 1, got {_show(value)}", "keep_images"
+                    f"'keep_images' must be an integer from 1 to {MAX_KEEP_IMAGES}, got "
+                    f"{_show(value)}",
+                    "keep_images",
                 )
             values["keep_images"] = value
         if "kabi" in data:

@@ -162,19 +162,38 @@ BAD_TOML = [
         "keep-images-string",
         doc(*HEAD, 'keep_images = "three"'),
         4,
-        "'keep_images' must be an integer >= 1, got \"three\"",
+        "'keep_images' must be an integer from 1 to 100, got \"three\"",
     ),
     (
         "keep-images-zero",
         doc(*HEAD, "keep_images = 0"),
         4,
-        "'keep_images' must be an integer >= 1, got 0",
+        "'keep_images' must be an integer from 1 to 100, got 0",
     ),
     (
         "keep-images-bool",
         doc(*HEAD, "keep_images = true"),
         4,
-        "'keep_images' must be an integer >= 1, got true",
+        "'keep_images' must be an integer from 1 to 100, got true",
+    ),
+    (
+        "keep-images-absurd",
+        doc(*HEAD, "keep_images = 100000"),
+        4,
+        "'keep_images' must be an integer from 1 to 100, got 100000",
+    ),
+    (
+        "too-many-modules",
+        doc('version = "1.0"', "modules = [" + ", ".join(f'"m{i}"' for i in range(1001)) + "]"),
+        2,
+        "'modules' lists 1001 modules; at most 1000",
+    ),
+    (
+        "huge-param-value",
+        doc(*HEAD, "[params.kvcd_user]", f'greeting = "{"x" * 4097}"'),
+        5,
+        "'params.kvcd_user.greeting' is 4097 characters long; a parameter value may have at most "
+        "4096",
     ),
     (
         "unload-on-stop-string",
