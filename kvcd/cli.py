@@ -12,8 +12,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:  # imported where used: `kvcd status` must not pay for the config loader
+    from kvcd.config.model import Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -253,10 +257,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 
 
 def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
-    from kvcd.config.loader import KVC_GLOBAL, load_instance, load_settings
-    from kvcd.config.model import ConfigError
-    from kvcd.core.state import StepFailed
-    from kvcd.daemon.instance import Instance
+    from kvcd.config.loader import KVC_GLOBAL, load_settings
     from kvcd.daemon.observe import host_for
     from kvcd.daemon.record import KernelUnknown, running_kernel
     from kvcd.host.pylibs import check_settings
@@ -274,41 +275,49 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
             kernel = running_kernel(root)
         except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
             kernel = None
-    bad = 0
-    for name in names:
-        try:
-            cfg = load_instance(root, name)
-        except ConfigError as exc:
-            print(f"{name}: INVALID: {exc}")
-            bad += 1
-            continue
-        owned, warnings = _ownership(root, name, [m.kernel_name for m in cfg.modules])
-        if owned:
-            print(f"{name}: INVALID: {owned}")
-            bad += 1
-            continue
-        print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
-        for line in warnings:
-            print(f"  warning: {line}")
-        print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
-        if kernel:
-            inst = Instance(root, settings, cfg, kernel)
-            if inst.cfg.variant is not None:
-                print(f"  image variant for this node: {inst.cfg.variant}")
-            if inst.no_variant is not None:
-                print(f"  {name}: NO PLAN: {inst.no_variant}")
-                bad += 1
-                continue
-            try:
-                planned = inst.plan("load")
-            except StepFailed as exc:
-                print(f"  {name}: NO PLAN: {exc}")
-                bad += 1
-                continue
-            print(f"  plan for {kernel}:")
-            for line in planned.describe():
-                print(f"    {line}")
+    bad = sum(not _check_one(root, settings, name, kernel) for name in names)
     return EXIT_USAGE if bad else EXIT_OK
+
+
+def _check_one(root: HostRoot, settings: Settings, name: str, kernel: str | None) -> bool:
+    """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
+    from kvcd.config.loader import load_instance
+    from kvcd.config.model import ConfigError
+    from kvcd.core.state import StepFailed
+    from kvcd.daemon.instance import Instance
+    from kvcd.daemon.upgrade import check_upgrade_label
+
+    try:
+        cfg = load_instance(root, name)
+        check_upgrade_label(cfg, settings)
+    except ConfigError as exc:
+        print(f"{name}: INVALID: {exc}")
+        return False
+    owned, warnings = _ownership(root, name, [m.kernel_name for m in cfg.modules])
+    if owned:
+        print(f"{name}: INVALID: {owned}")
+        return False
+    print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
+    for line in warnings:
+        print(f"  warning: {line}")
+    print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
+    if not kernel:
+        return True
+    inst = Instance(root, settings, cfg, kernel)
+    if inst.cfg.variant is not None:
+        print(f"  image variant for this node: {inst.cfg.variant}")
+    if inst.no_variant is not None:
+        print(f"  {name}: NO PLAN: {inst.no_variant}")
+        return False
+    try:
+        planned = inst.plan("load")
+    except StepFailed as exc:
+        print(f"  {name}: NO PLAN: {exc}")
+        return False
+    print(f"  plan for {kernel}:")
+    for line in planned.describe():
+        print(f"    {line}")
+    return True
 
 
 def _ownership(root: HostRoot, name: str, modules: list[str]) -> tuple[str, list[str]]:

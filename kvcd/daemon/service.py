@@ -31,6 +31,7 @@ from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, V
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
+from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import failpoint, files, kmod, procs, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Notifier
@@ -136,6 +137,7 @@ class Service:
             pylibs.check_settings(self.root, settings)
             root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
+            check_upgrade_label(self.cfg, settings)
         except ConfigError as exc:
             self.config_invalid = True
             reason = state.reason_text(state.CONFIG_INVALID, str(exc))

@@ -14,6 +14,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import upgrade as table
 from kvcd.core.state import DONE
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
@@ -32,6 +33,20 @@ _VERBS = {table.LOAD: LOAD, table.UNLOAD: UNLOAD, table.HOLD: HOLD}
 
 def label_key(ctx: Context) -> str:
     return ctx.cfg.upgrade_label or Keys(ctx.settings.annotation_prefix, ctx.name).version_label
+
+
+def check_upgrade_label(cfg: InstanceConfig, settings: Settings) -> None:
+    """Under kvcd's own prefix, an instance may follow only its own version label: any other key
+    there is one kvcd writes (another instance's `.ready`, `.state` …) or another instance's
+    label, and following it would let one instance's state drive another. ConfigError."""
+    label, prefix = cfg.upgrade_label, settings.annotation_prefix
+    own = Keys(prefix, cfg.name).version_label
+    if label and label.startswith(f"{prefix}/") and label != own:
+        raise ConfigError(
+            cfg.source,
+            f"upgrade_label {label!r} is under kvcd's own prefix {prefix}/, whose keys kvcd "
+            f"writes; use {own!r} (the default: leave upgrade_label out) or a key of your own",
+        )
 
 
 class OrderedUpgrade(Extension):

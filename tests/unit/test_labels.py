@@ -116,3 +116,30 @@ def test_kvcd_label_refuses_what_a_cluster_would(
 ) -> None:
     assert cli.main(["--root", str(root.root), "label", edit]) == rc
     assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("label", "rc"),
+    [
+        ("kvcd.io/version.nic", 0),  # its own: the default spelled out
+        ("example.com/nic-version", 0),  # a key of the admin's own
+        ("kvcd.io/other.ready", 2),  # another instance's readiness, written by kvcd
+        ("kvcd.io/version.other", 2),  # another instance's label
+        ("kvcd.io/nic.state", 2),  # its own state annotation
+    ],
+)
+def test_an_upgrade_label_under_kvcds_prefix_must_be_its_own(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], label: str, rc: int
+) -> None:
+    from tests import fakehost
+
+    fakehost.write_config(
+        root,
+        "nic",
+        doc('version = "1.0"', *HEAD, "ordered_upgrade = true", f'upgrade_label = "{label}"'),
+    )
+    assert cli.main(["--root", str(root.root), "check-config", "nic"]) == rc
+    out = capsys.readouterr().out
+    if rc:
+        assert f"nic: INVALID: {root('/etc/kvcd/instances/nic.toml')}: upgrade_label" in out
+        assert "under kvcd's own prefix kvcd.io/" in out
