@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:  # imported where used: `kvcd status` must not pay for the config loader
-    from kvcd.config.model import Settings
+    from kvcd.config.model import InstanceConfig, Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -293,9 +293,9 @@ def _check_one(root: HostRoot, settings: Settings, name: str, kernel: str | None
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
         return False
-    owned, warnings = _ownership(root, name, [m.kernel_name for m in cfg.modules])
-    if owned:
-        print(f"{name}: INVALID: {owned}")
+    problem, warnings = _neighbours(root, cfg, kernel)
+    if problem:
+        print(f"{name}: INVALID: {problem}")
         return False
     print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
     for line in warnings:
@@ -320,27 +320,34 @@ def _check_one(root: HostRoot, settings: Settings, name: str, kernel: str | None
     return True
 
 
-def _ownership(root: HostRoot, name: str, modules: list[str]) -> tuple[str, list[str]]:
-    """One owner per module: the error when another instance holds one of `modules` ("" when
-    none does), and a warning per other configured instance that lists some of them."""
+def _neighbours(root: HostRoot, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
+    """What another instance makes impossible for this one: the error ("" when none) when
+    another holds one of its modules or would use its image tag; a warning per other configured
+    instance that lists some of its modules (only one of them can be running)."""
     from kvcd.config.loader import list_instances, load_instance
     from kvcd.config.model import ConfigError
     from kvcd.core import owners, state
     from kvcd.daemon.instance import holders
 
+    name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
     held = owners.shared(name, modules, holders(root, name))
     if held:
         return f"{state.MODULE_OWNED}: {owners.describe(name, held)}", []
-    others: dict[str, list[str]] = {}
+    others: dict[str, InstanceConfig] = {}
     for other in list_instances(root):
-        if other == name:
-            continue
-        try:
-            others[other] = [m.kernel_name for m in load_instance(root, other).modules]
-        except ConfigError:  # said where that instance is checked
-            continue
+        if other != name:
+            try:
+                others[other] = load_instance(root, other)
+            except ConfigError:  # said where that instance is checked
+                continue
+    if kernel:
+        tag = cfg.image_tag(kernel)
+        clash = sorted(o for o, c in others.items() if c.image_tag(kernel) == tag)
+        if clash:
+            return f"image tag {tag} is also instance {clash[0]}'s: rename one of them", []
     found: dict[str, list[str]] = {}
-    for s in owners.shared(name, modules, others):
+    claims = {o: [m.kernel_name for m in c.modules] for o, c in others.items()}
+    for s in owners.shared(name, modules, claims):
         found.setdefault(s.other, []).append(s.module)
     return "", [
         f"{', '.join(mods)} also listed by instance {other}: one owner per module, only one "

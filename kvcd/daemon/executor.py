@@ -9,9 +9,10 @@ what was rolled back appended.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,9 +142,18 @@ class Executor:
         from kvcd.host.podman import BuildSpec, PodmanError, PodmanUnavailable
 
         try:
-            if self.podman.get_image(a.tag) is not None:
+            cached = self.podman.get_image(a.tag)
+            foreign = None if cached is None else self._not_ours(cached.labels)
+            if cached is not None and foreign is None:
                 log.info("image %s is cached; no build", a.tag, extra=self.fields)
                 return
+            if foreign is not None:
+                log.warning(
+                    "cached image %s was built %s; building it again",
+                    a.tag,
+                    foreign,
+                    extra=self.fields,
+                )
             if a.pull_ref:
                 try:
                     self.podman.pull(a.pull_ref, a.tag)
@@ -169,11 +179,7 @@ class Executor:
                     "KVER": self.d.kernel,
                     "KMODVER": self.cfg.version,
                 },
-                labels={
-                    "io.kvcd.instance": self.cfg.name,
-                    "io.kvcd.version": self.cfg.version,
-                    "io.kvcd.kernel": self.d.kernel,
-                },
+                labels=self._labels(),
             )
             self._event(
                 logging.INFO,
@@ -205,6 +211,44 @@ class Executor:
             self._event(logging.INFO, journal.MSG_BUILD_FINISHED, "build of %s finished", a.tag)
         except PodmanUnavailable as exc:
             raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
+
+    def _inputs(self) -> str:
+        """A digest of what the build is made from, as the config says it (a local context's
+        files are not read: a change there needs a new version, as the README says)."""
+        build = self.cfg.build
+        parts = {
+            "instance": self.cfg.name,
+            "variant": self.cfg.variant or "",
+            "version": self.cfg.version,
+            "kernel": self.d.kernel,
+            "context": build.context if build else "",
+            "containerfile": build.containerfile if build else "",
+            "args": sorted(build.args) if build else [],
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _labels(self) -> dict[str, str]:
+        return {
+            "io.kvcd.instance": self.cfg.name,
+            "io.kvcd.version": self.cfg.version,
+            "io.kvcd.kernel": self.d.kernel,
+            "io.kvcd.inputs": self._inputs(),
+        }
+
+    def _not_ours(self, labels: Mapping[str, str]) -> str | None:
+        """Why an image kvcd built under this tag is not this instance's build of these inputs
+        (None: it is, or it carries no kvcd labels: pulled, or built by an older kvcd)."""
+        if "io.kvcd.instance" not in labels:
+            return None
+        want = self._labels()
+        if "io.kvcd.inputs" not in labels:  # built before kvcd labelled its inputs
+            want.pop("io.kvcd.inputs")
+        wrong = [
+            f"{k.removeprefix('io.kvcd.')} {labels.get(k)!r}"
+            for k in want
+            if labels.get(k) != want[k]
+        ]
+        return f"for {', '.join(wrong)}" if wrong else None
 
     def _extract(self, a: Extract) -> None:
         from kvcd.host.podman import PodmanError, PodmanUnavailable

@@ -7,6 +7,7 @@ fake /sys/module under the HostRoot, so every step's effect is observable.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,9 @@ def test_first_load_builds_extracts_activates_and_loads_in_order(
         "io.kvcd.instance": "e2e",
         "io.kvcd.version": "1.0",
         "io.kvcd.kernel": K,
+        "io.kvcd.inputs": build.labels["io.kvcd.inputs"],
     }
+    assert re.fullmatch(r"[0-9a-f]{16}", build.labels["io.kvcd.inputs"])
     assert build.tag == f"localhost/kvcd-e2e-1.0:{K}"
     root_arg = str(host.module_root)
     assert modprobe_calls(fake_commands) == [
@@ -320,3 +323,45 @@ def test_a_git_protocol_build_warns_that_it_is_unauthenticated(
         f"build context {ctx} is fetched over git://, unauthenticated and unencrypted: anyone "
         "on the network path can change the driver this node loads; prefer https://"
     ]
+
+
+@pytest.mark.parametrize(
+    ("labels", "rebuilt", "why"),
+    [
+        ({}, False, ""),  # pulled, or from before kvcd labelled images: used
+        (None, False, ""),  # this instance's own build of these inputs: used
+        ({"io.kvcd.instance": "other"}, True, "instance 'other'"),  # another instance's
+        ({"io.kvcd.inputs": "0" * 16}, True, "inputs '0000000000000000'"),  # other inputs
+        ({"io.kvcd.version": "9"}, True, "version '9'"),
+    ],
+    ids=["unlabelled", "ours", "other-instance", "other-inputs", "other-version"],
+)
+def test_a_cached_image_is_reused_only_when_it_is_this_instances_build(
+    host: HostRoot,
+    caplog: pytest.LogCaptureFixture,
+    labels: dict[str, str] | None,
+    rebuilt: bool,
+    why: str,
+) -> None:
+    """Two instances whose tags collide (Foo and foo) never load each other's modules: an image
+    kvcd built carries its owner and a digest of its inputs, and anything else is rebuilt."""
+    import logging
+
+    first = FakePodman(host, K)
+    instance(host, first).apply("load")  # builds: the image with this instance's labels
+    (built,) = first.images.values()
+    pod = FakePodman(host, K)
+    merged = dict(built.labels) if labels is None or labels else {}
+    if labels:
+        merged.update(labels)
+    pod.images[built.tags[0]] = ImageInfo("id-cached", built.tags, merged, 0.0)
+    instance(host, pod).apply("unload")
+    # Version 1.0 again, but its extracted tree gone: the image is needed again.
+    import shutil
+
+    shutil.rmtree(host.store("e2e"))
+    caplog.set_level(logging.WARNING)
+    instance(host, pod).apply("load")
+    assert any(what == "build" for what, _ in pod.calls) is rebuilt
+    warned = [r.getMessage() for r in caplog.records if "building it again" in r.getMessage()]
+    assert bool(warned) is rebuilt and all(why in w for w in warned), warned

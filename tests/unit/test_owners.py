@@ -137,3 +137,32 @@ def test_check_config_names_the_owner_or_warns(
         assert "b: INVALID: ModuleOwned: kvcd_base is owned by instance a, not b" in out
     else:
         assert "warning: kvcd_base also listed by instance a: one owner per module" in out
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "clash"),
+    [
+        (("Foo", "1.0"), ("foo", "1.0"), True),  # image names are lower-case
+        (("a-1.0", "2"), ("a", "1.0-2"), True),  # kvcd-a-1.0-2 either way
+        (("a", "1.0"), ("b", "1.0"), False),
+    ],
+    ids=["case", "separator", "distinct"],
+)
+def test_check_config_refuses_two_instances_with_one_image_tag(
+    root: HostRoot,
+    capsys: pytest.CaptureFixture[str],
+    a: tuple[str, str],
+    b: tuple[str, str],
+    clash: bool,
+) -> None:
+    for name, version in (a, b):
+        fakehost.write_config(
+            root, name, f'version = "{version}"\nmodules = ["m_{len(name)}"]\nimage = "r/x"\n'
+        )
+    fakehost.make_host(root, K)
+    rc = cli.main(["--root", str(root.root), "check-config", a[0]])
+    out = capsys.readouterr().out
+    assert rc == (2 if clash else 0), out
+    if clash:
+        assert f"{a[0]}: INVALID: image tag localhost/kvcd-" in out
+        assert f"is also instance {b[0]}'s" in out
