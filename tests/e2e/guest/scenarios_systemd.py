@@ -164,14 +164,14 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
 
 def test_y4_watchdog_is_fed_and_a_hung_daemon_is_restarted() -> None:
     RUNTIME_DROPIN.parent.mkdir(parents=True, exist_ok=True)
-    RUNTIME_DROPIN.write_text("[Service]\nWatchdogSec=6s\nRestartSec=1s\n")
+    RUNTIME_DROPIN.write_text("[Service]\nWatchdogSec=20s\nRestartSec=1s\n")
     sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "restart", UNIT], timeout=900)
     settle_done()
-    assert prop("WatchdogUSec") == "6s", prop("WatchdogUSec")
+    assert prop("WatchdogUSec") == "20s", prop("WatchdogUSec")
     pid = main_pid()
     first = int(prop("WatchdogTimestampMonotonic"))
-    time.sleep(15)  # 2.5 x WatchdogSec: without pings systemd would have killed it by now
+    time.sleep(50)  # 2.5 x WatchdogSec: without pings systemd would have killed it by now
     assert main_pid() == pid and prop("ActiveState") == "active"
     assert int(prop("WatchdogTimestampMonotonic")) > first, "no WATCHDOG=1 ping reached systemd"
 
