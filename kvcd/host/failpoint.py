@@ -1,6 +1,6 @@
 """Fail points: named places in the lifecycle where a test makes the daemon die.
 
-The guest's crash scenario (tests/e2e/guest/scenarios_crash.py) proves that a `kvcd run` killed
+The guest's crash scenario (tests/e2e/guest/scenarios_restart.py) proves that a `kvcd run` killed
 at any of these points converges after systemd restarts it: modules loaded and verified, or
 Degraded with the reason; never half-loaded, no stray files, every state file whole. Like
 etcd's gofail or FreeBSD's fail points, they are off unless the environment names one:
