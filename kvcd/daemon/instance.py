@@ -16,7 +16,7 @@ from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
-from kvcd.daemon.record import Record, boot_id
+from kvcd.daemon.record import Record, boot_id, recorded_names
 from kvcd.host import files, journal, kmod
 from kvcd.host.paths import HostRoot
 
@@ -185,13 +185,8 @@ def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
     """The other instances' modules they hold now: recorded with the goal loaded, and either in
     the kernel or being loaded (Working). A record that cannot be read holds nothing here (its
     own daemon sets it aside and says so)."""
-    base = root.state / "instances"
-    try:
-        names = sorted(p.stem for p in base.glob("*.json") if p.stem != name)
-    except OSError:
-        return {}
     out: dict[str, list[str]] = {}
-    for other in names:
+    for other in (n for n in recorded_names(root) if n != name):
         try:
             rec = Record.load(root, other)
         except OSError:

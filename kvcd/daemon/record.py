@@ -19,6 +19,14 @@ from kvcd.host.paths import HostRoot
 log = logging.getLogger(__name__)
 
 
+def recorded_names(root: HostRoot) -> list[str]:
+    """The instances with a state record (/var/lib/kvcd/instances/<name>.json), sorted."""
+    try:
+        return sorted(p.stem for p in (root.state / "instances").glob("*.json"))
+    except OSError:
+        return []
+
+
 class KernelUnknown(OSError):
     """The running kernel's release cannot be read, or is not one kvcd can use."""
 

@@ -14,18 +14,11 @@ from kvcd.config.loader import list_instances, load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import state
 from kvcd.daemon.control import daemon_pid
-from kvcd.daemon.record import Record, boot_id
+from kvcd.daemon.record import Record, boot_id, recorded_names
 from kvcd.host import files, kmod, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.rpmostree import is_ostree_host
 from kvcd.node.keys import stem
-
-
-def _recorded_names(root: HostRoot) -> set[str]:
-    base = root.state / "instances"
-    if not base.is_dir():
-        return set()
-    return {p.stem for p in base.glob("*.json")}
 
 
 def _settings(root: HostRoot) -> Settings:
@@ -130,7 +123,7 @@ def _processes(root: HostRoot, module: str) -> list[str]:
 
 
 def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
-    names = sorted(set(list_instances(root)) | _recorded_names(root))
+    names = sorted(set(list_instances(root)) | set(recorded_names(root)))
     if only is not None:
         names = [only]
     current_boot = boot_id(root)

@@ -330,8 +330,8 @@ def why_not_daemon(root: HostRoot, name: str, rec: PidRecord, info: ProcInfo) ->
     return None
 
 
-def find_daemon(root: HostRoot, name: str) -> ProcInfo:
-    """The live process proven to be kvcd@NAME (see why_not_daemon); NoDaemon otherwise."""
+def _pid_record(root: HostRoot, name: str) -> tuple[Path, PidRecord]:
+    """kvcd@NAME's pid file and what it says; NoDaemon when there is none or it is unusable."""
     path = root.pid_file(name)
     try:
         rec = read_pid_file(path)
@@ -341,6 +341,12 @@ def find_daemon(root: HostRoot, name: str) -> ProcInfo:
         raise NoDaemon(f"kvcd@{name}: cannot read {path}: {exc.strerror or exc}") from None
     if rec is None:
         raise NoDaemon(f"kvcd@{name} is not running (no pid file {path})")
+    return path, rec
+
+
+def find_daemon(root: HostRoot, name: str) -> ProcInfo:
+    """The live process proven to be kvcd@NAME (see why_not_daemon); NoDaemon otherwise."""
+    path, rec = _pid_record(root, name)
     info = inspect(rec.pid)
     if info is None:
         raise NoDaemon(f"kvcd@{name} is not running (pid {rec.pid} in {path} is gone)")
@@ -357,13 +363,7 @@ def signal_daemon(root: HostRoot, name: str, sig: int) -> int:
     that took the number after the proof."""
     import signal as signals
 
-    path = root.pid_file(name)
-    try:
-        rec = read_pid_file(path)
-    except files.FileError as exc:
-        raise NoDaemon(f"kvcd@{name}: {exc}") from None
-    if rec is None:
-        raise NoDaemon(f"kvcd@{name} is not running (no pid file {path})")
+    path, rec = _pid_record(root, name)
     try:
         pidfd = os.pidfd_open(rec.pid)
     except ProcessLookupError:
