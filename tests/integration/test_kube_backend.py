@@ -196,9 +196,13 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                     for rv, n in new:
                         self._chunk({"type": "MODIFIED", "object": n})
                         sent = rv
-                    if api.fault("WATCH-after-event") == "drop":
+                    after = api.fault("WATCH-after-event")
+                    if after is not None:
                         # The connection ends in the middle of the chunked stream (a FIN, so
-                        # the event already sent is still read): a dropped watch.
+                        # the event already sent is still read): a dropped watch. A callable
+                        # is another writer acting between the event and the drop.
+                        if callable(after):
+                            api.change(after)
                         self.close_connection = True
                         self.connection.shutdown(socket.SHUT_WR)
                         return
@@ -432,9 +436,11 @@ def test_watch_follows_changes_relists_on_410_and_resumes_after_drops(
         meta["labels"]["kvcd.io/version.nic"] = "4"
         api.compacted = api.rv + 1  # the rv this change gets: everything before is gone
 
+    # The compaction happens on the connection that delivered "3", after it did: arming it
+    # on the next WATCH instead would race a reconnect still in its back-off from above,
+    # which would then resume from before "3" and lose it to the compaction.
     want["4"] = threading.Event()
-    api.faults["WATCH-after-event"] = ["drop"]
-    api.faults["WATCH"] = [compact]
+    api.faults["WATCH-after-event"] = [compact]
     api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "3"}))
     assert want["3"].wait(timeout=30)
     assert want["4"].wait(timeout=30)
