@@ -19,7 +19,7 @@ from kvcd.host.paths import HostRoot
 if TYPE_CHECKING:  # imported where used: `kvcd status` must not pay for the config loader
     from kvcd.config.model import InstanceConfig, Settings
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70  # 70: EX_SOFTWARE
 
 log = logging.getLogger("kvcd")
 
@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Exit 0 ok, 1 failed (including a host error: one line naming the path and the
-    cause, never a traceback), 2 bad usage or configuration, 130 interrupted."""
+    cause, never a traceback), 2 bad usage or configuration, 70 a bug in kvcd (one line; the
+    traceback with -v or KVCD_DEBUG=1), 130 interrupted."""
     args = _parser().parse_args(argv)
     from kvcd.config.model import ConfigError
     from kvcd.core import names
@@ -139,6 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: say so in one line, the traceback only when asked
+        # (and always from the daemon: its stderr is the journal, where the traceback belongs)
+        if args.verbose or args.verb == "run" or os.environ.get("KVCD_DEBUG") == "1":
+            raise
+        print(
+            f"kvcd: internal error: {type(exc).__name__}: {exc} "
+            "(a bug in kvcd; run again with -v or KVCD_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 def _verb(root: HostRoot, args: argparse.Namespace) -> int:

@@ -173,3 +173,42 @@ def test_load_and_unload_refuse_while_the_daemon_runs(
     assert f"kvcd@e2e is running (pid {os.getpid()}" in err
     assert f"use `systemctl {how} kvcd@e2e`" in err
     assert not root.state_file("e2e").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "traceback"),
+    [
+        (["status"], {}, False),
+        (["-v", "status"], {}, True),
+        (["status"], {"KVCD_DEBUG": "1"}, True),
+        (["run", "e2e"], {}, True),  # the daemon's stderr is the journal: the traceback goes there
+    ],
+)
+def test_a_bug_is_one_line_and_exit_70_unless_the_traceback_is_asked_for(
+    root: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    env: dict[str, str],
+    traceback: bool,
+) -> None:
+    import kvcd.cli
+
+    def bug(*_a: object, **_k: object) -> int:
+        raise KeyError("slot")
+
+    monkeypatch.setattr(kvcd.cli, "_status", bug)
+    monkeypatch.setattr("kvcd.daemon.service.Service.run", bug)
+    monkeypatch.delenv("KVCD_DEBUG", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if traceback:
+        with pytest.raises(KeyError):
+            main(["--root", str(root.root), *argv])
+        return
+    assert main(["--root", str(root.root), *argv]) == 70
+    err = capsys.readouterr().err
+    assert err == (
+        "kvcd: internal error: KeyError: 'slot' "
+        "(a bug in kvcd; run again with -v or KVCD_DEBUG=1 for the traceback)\n"
+    )

@@ -169,7 +169,10 @@ def _instance_at_version() -> Iterator[None]:
     disarm()
     INSTANCE_FILE.write_text(original)
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
-    wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled again")
+    # The instance goes back as it was found: Done, not merely settled. A Degraded left here
+    # would be blamed on whichever step runs next.
+    st = wait_for(settled, BUILD_TIMEOUT, f"{INSTANCE} settled again")
+    assert st["state"] == "Done", f"{INSTANCE} after the crash scenarios: {st}"
     lines = ["| point | trigger | what the crash left | converged after |", "|---|---|---|---|"]
     lines += [f"| `{p}` | {t} | {left} | {s:.1f} s |" for p, t, left, s in TABLE]
     (RESULTS / "crash-table.md").write_text("\n".join(lines) + "\n")
