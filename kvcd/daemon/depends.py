@@ -72,7 +72,11 @@ def generate(root: HostRoot, outdir: Path) -> tuple[list[Path], list[str]]:
         if not cfg.depends_on:
             continue
         path = outdir / f"{unit(name)}.d" / DROPIN
-        files.atomic_write(path, dropin_text(name, cfg.depends_on).encode())
+        try:  # one instance's drop-in that cannot be written costs only that instance
+            files.atomic_write(path, dropin_text(name, cfg.depends_on).encode())
+        except OSError as exc:
+            errors.append(f"{name}: {files.os_error(exc)}")
+            continue
         written.append(path)
     return written, errors
 

@@ -132,6 +132,20 @@ def test_generator_writes_drop_ins(root: HostRoot, tmp_path: Path) -> None:
     assert len(errors) == 1 and "dependency cycle: loop -> loop" in errors[0]
 
 
+def test_generator_one_unwritable_drop_in_costs_only_its_instance(
+    root: HostRoot, tmp_path: Path
+) -> None:
+    instance(root, "a", ["base"])
+    instance(root, "base")
+    instance(root, "z", ["base"])
+    out = tmp_path / "generator"
+    out.mkdir()
+    (out / "kvcd@a.service.d").write_text("in the way")  # a file where the directory goes
+    written, errors = generate(root, out)
+    assert written == [out / "kvcd@z.service.d" / "50-kvcd-depends.conf"]
+    assert len(errors) == 1 and errors[0].startswith(f"a: {out / 'kvcd@a.service.d'}"), errors
+
+
 def test_generator_script_runs_as_systemd_would(root: HostRoot, tmp_path: Path) -> None:
     """systemd/kvcd-generator with (normal, early, late) dirs; the unit test guard allows no
     real process, so the script's code is run in-process the same way."""
