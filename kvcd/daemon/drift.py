@@ -178,6 +178,21 @@ def parse_baseline(path: Path, raw: bytes) -> dict[str, Any]:
     return data
 
 
+def forget_tree(root: HostRoot, name: str, kernel: str) -> None:
+    """kvcd itself removed `name`'s link for `kernel` (the instance left the node): the
+    expectation of that link goes with it, so the instance, when configured again, starts from
+    no expectation instead of taking kvcd's own removal for drift."""
+    path = baseline_path(root, name)
+
+    def damaged(what: str) -> None:
+        log.warning("drift: %s", what, extra={"KVCD_INSTANCE": name})
+
+    old = read_record(path, parse_baseline, damaged)
+    trees = old.get("trees") if old else None
+    if old and isinstance(trees, dict) and kernel in trees:
+        files.write_json(path, {**old, "trees": {k: t for k, t in trees.items() if k != kernel}})
+
+
 def parse_depmod_record(path: Path, raw: bytes) -> dict[str, Any]:
     """The node-wide record of a kernel's depmod indexes: {"kernel": K, "files": {name: fact}}."""
     data = files.parse_json(path, raw)

@@ -134,6 +134,7 @@ def collect_unconfigured(root: HostRoot, kernel: str, fields: dict[str, str]) ->
         try:
             kmod.deactivate(root, kernel, name)
             kmod.unlink_weak_updates(root, kernel, name)
+            drift.forget_tree(root, name, kernel)
         except (ValueError, kmod.KmodError, OSError) as exc:  # not a name kvcd links under
             log.warning("module root: left %s in place: %s", name, exc, extra=fields)
             continue

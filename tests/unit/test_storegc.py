@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvcd.config.loader import load_instance
 from kvcd.config.model import ConfigError
 from kvcd.core.storegc import Tree, stale, stale_kernel_trees, unconfigured
+from kvcd.daemon import drift
 from kvcd.daemon import storegc as gc
-from kvcd.host import kmod
+from kvcd.host import files, kmod
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -92,6 +95,9 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
     fakehost.write_config(root, "kept", 'version = "1.0"\nmodules = ["x"]\nimage = "i"\n')
     kmod.depmod(root, A)
     assert "extra/gone/kvcd_base.ko" in (kdir / "modules.dep").read_text()
+    # What the drift monitor recorded of the link kvcd left, for this kernel and another.
+    baseline = drift.baseline_path(root, "gone")
+    files.write_json(baseline, {"units": {}, "trees": {A: {"link": "x"}, "9.9.9": {"link": "y"}}})
 
     removed = gc.collect_unconfigured(root, A, {})
 
@@ -100,6 +106,12 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
     assert not (kdir / kmod.WEAK_UPDATES / "gone").is_symlink()
     assert "kvcd_base" not in (kdir / "modules.dep").read_text()  # re-indexed
     assert (root.store("gone") / "1.0" / A).is_dir()  # its store is not kvcd's to judge here
+    # kvcd's own removal is no drift when the instance is configured again: the expectation
+    # of this kernel's link went with it (the guest saw e2e-kmod stuck in Drift after it).
+    assert json.loads(baseline.read_text())["trees"] == {"9.9.9": {"link": "y"}}
+    fakehost.write_config(root, "gone", 'version = "1.0"\nmodules = ["kvcd_base"]\nimage = "i"\n')
+    check = drift.Check(root, load_instance(root, "gone"), A, lambda _k: None, [].append)
+    assert [d for d in check.run() if "extra/gone" in d.text()] == []
     assert gc.collect_unconfigured(root, A, {}) == []  # nothing left: no second depmod
 
 

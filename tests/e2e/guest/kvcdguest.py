@@ -189,8 +189,11 @@ def core_instance_aside() -> Iterator[None]:
     """Take the core scenarios' instance (e2e-kmod) off the node while a scenario file configures
     another instance that ships modules of the same names: one owner per module, so e2e-kmod is
     stopped, unloaded and its file moved aside (as an admin removes an instance), and put back
-    afterwards; kvcd removes a deconfigured instance's links from its module root itself."""
+    afterwards; kvcd removes a deconfigured instance's links from its module root itself.
+    Put back, an instance that was running is started again and must reach Done: kvcd's own
+    removal of its links is not drift."""
     aside = STATE_DIR / "aside" / INSTANCE_FILE.name
+    was_active = sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
     sh(["systemctl", "stop", UNIT], check=False, timeout=600)
     for mod in reversed(MODS):
         if mod in proc_modules():
@@ -201,6 +204,10 @@ def core_instance_aside() -> Iterator[None]:
         yield
     finally:
         os.replace(aside, INSTANCE_FILE)
+    if was_active:
+        sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+        st = wait_for(state_is("Done", "Degraded"), BUILD_TIMEOUT, f"{INSTANCE} put back")
+        assert st["state"] == "Done" and st["goal"] == "loaded", f"{INSTANCE} put back: {st}"
 
 
 def image_ids() -> set[str]:
