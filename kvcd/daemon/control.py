@@ -48,7 +48,7 @@ def request_reload(
     try:
         procs.find_daemon(root, name)  # before the request is written: refuse early and cleanly
         request = root.reload_request(name)
-        with files.locked(request.with_name(request.name + ".lock")):
+        with files.locked(root.reload_lock(name)):
             seq = _seq(_read_or_none(request)) + 1
             files.write_json(request, {"seq": seq})
         pid = procs.signal_daemon(root, name, signal.SIGHUP)

@@ -86,12 +86,8 @@ def baseline_path(root: HostRoot, name: str) -> Path:
 
 
 def depmod_record_path(root: HostRoot, kernel: str) -> Path:
-    return drift_dir(root) / f"depmod-{kernel}.json"
-
-
-def status_path(root: HostRoot, name: str) -> Path:
-    """The monitor's own status (watching N files / periodic only), read by `kvcd status`."""
-    return root.runtime / f"{name}.drift.json"
+    """Node-wide, in a directory of its own: an instance's baseline (<name>.json) never is."""
+    return drift_dir(root) / "depmod" / f"{kernel}.json"
 
 
 def unit_files(root: HostRoot) -> tuple[Path, ...]:
@@ -629,7 +625,7 @@ class DriftMonitor(Extension):
             self.udev = None
         if self.ctx is not None:
             with contextlib.suppress(OSError):
-                status_path(self.ctx.root, self.ctx.name).unlink()
+                self.ctx.root.drift_note(self.ctx.name).unlink()
 
     def interval(self) -> float | None:
         return float(self.settings.drift_interval)
@@ -808,7 +804,7 @@ class DriftMonitor(Extension):
             extra={**ctx.fields, "MESSAGE_ID": journal.MSG_DRIFT_FORCED},
         )
         own = ctx.root.store(ctx.name)
-        with files.locked(ctx.root.runtime / f"{ctx.name}.lock"):
+        with files.locked(ctx.root.instance_lock(ctx.name)):
             link = link_path(ctx.root, ctx.kernel, ctx.name)
             drop = {store_dir(ctx.root, ctx.name, self.cfg.version, ctx.kernel)}
             if link.is_symlink():
@@ -1032,7 +1028,7 @@ class DriftMonitor(Extension):
             "line": self.status_line(),
         }
         with contextlib.suppress(OSError):
-            files.write_json(status_path(self.ctx.root, self.ctx.name), data)
+            files.write_json(self.ctx.root.drift_note(self.ctx.name), data)
 
 
 def build(cfg: InstanceConfig, settings: Settings) -> DriftMonitor:

@@ -71,11 +71,11 @@ class Instance:
 
         `why` is kept as the Done record's reason when something other than the config chose
         the verb (e.g. "no device": Done, nothing loaded)."""
-        with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
+        with files.locked(self.root.instance_lock(self.cfg.name)):
             # Node-wide, held from the ownership check to the Working record that claims the
             # modules (not through the work): two instances starting at once cannot both take
             # one module.
-            with files.locked(self.root.runtime / "modules.lock"):
+            with files.locked(self.root.owners_lock):
                 self._check_owner(verb, pid)
                 plan, record = self._claim(verb, pid)
             try:
@@ -140,7 +140,7 @@ class Instance:
     def note(self, new_state: str, reason: str, *, pid: int | None = None) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's
         finding such as "waiting for links"). Goal, version and modules stay as last recorded."""
-        with files.locked(self.root.runtime / f"{self.cfg.name}.lock"):
+        with files.locked(self.root.instance_lock(self.cfg.name)):
             previous = Record.read(self.root, self.cfg.name)
             record = previous or Record(
                 instance=self.cfg.name,

@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcd.core import state
@@ -38,14 +37,9 @@ log = logging.getLogger(__name__)
 WAITING = "waiting for links"
 
 
-def links_file(root: HostRoot, instance: str) -> Path:
-    """Runtime record of the links an instance provides (read by `kvcd status`)."""
-    return root.runtime / f"{instance}.links.json"
-
-
 def read_links(root: HostRoot, instance: str) -> dict[str, Any] | None:
     try:
-        data = files.read_json(links_file(root, instance))
+        data = files.read_json(root.links_note(instance))
     except files.Damaged:  # a runtime note, rewritten by the next check
         return None
     return data if isinstance(data, dict) else None
@@ -103,7 +97,7 @@ class LinkReadiness(Extension):
 
     def _write(self, ctx: Context, data: dict[str, Any]) -> None:
         """The runtime file `kvcd status` reads: the links, and whether link events arrive."""
-        files.write_json(links_file(ctx.root, ctx.name), {**data, "watch_off": self.watch_off})
+        files.write_json(ctx.root.links_note(ctx.name), {**data, "watch_off": self.watch_off})
 
     def stop(self) -> None:
         self._cancel()

@@ -309,7 +309,7 @@ def prepare(
         return Outcome(kernel, FAILED, f"kernel {kernel} is not installed: no {modules_dir}")
     nb = NextBoot(kernel, nb.source, nb.detail, modules_dir)
     why_not_weak = "kabi = rebuild"
-    with files.locked(root.runtime / f"{cfg.name}.lock"):
+    with files.locked(root.instance_lock(cfg.name)):
         if cfg.kabi == "weak-updates-first":
             source, why_not_weak = check_weak(root, cfg, running, nb)
             if source is not None:
@@ -587,7 +587,7 @@ class NextKernel(Extension):
     def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
         """Put the outcome into the record the service holds and into the state file."""
         _set_fields(record, outcome)
-        with files.locked(ctx.root.runtime / f"{ctx.name}.lock"):
+        with files.locked(ctx.root.instance_lock(ctx.name)):
             current = Record.read(ctx.root, ctx.name)
             if current is not None and _set_fields(current, outcome):
                 current.write(ctx.root)

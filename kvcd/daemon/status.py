@@ -66,7 +66,7 @@ def capabilities(
     """
     out: dict[str, dict[str, Any]] = {}
     not_running = f"kvcd@{name} is not running"
-    monitor = files.read_json(root.runtime / f"{name}.drift.json") if running else None
+    monitor = files.read_json(root.drift_note(name)) if running else None
     if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
         out["drift"] = _cap(True, monitor["line"])
         why = monitor.get("udev_off")
@@ -80,7 +80,7 @@ def capabilities(
     psutil = pylibs.import_error(pylibs.PSUTIL, importer)
     out["holders"] = _cap(True) if psutil is None else _cap(False, f"psutil: {psutil}")
     expects = _expect_links(root, name)
-    links = files.read_json(root.runtime / f"{name}.links.json") if running else None
+    links = files.read_json(root.links_note(name)) if running else None
     if expects is False:
         out["links"] = _cap(False, "instance has no expect_links")
     elif expects is None:
@@ -175,11 +175,11 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
         entry["warnings"] = problems
         # The links the instance provides (expect_links; kvcd/daemon/links.py).
-        links = _runtime_note(root.runtime / f"{name}.links.json", problems)
+        links = _runtime_note(root.links_note(name), problems)
         if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
             entry["links"] = links
         # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
-        monitor = _runtime_note(root.runtime / f"{name}.drift.json", problems)
+        monitor = _runtime_note(root.drift_note(name), problems)
         if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
             entry["drift"] = monitor
         running = daemon_pid(root, name) is not None

@@ -73,7 +73,7 @@ def collect(
     installed |= {running} | ({next_kernel} if next_kernel else set())
     fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": running}
     removed: list[str] = []
-    with files.locked(root.runtime / f"{cfg.name}.lock"):
+    with files.locked(root.instance_lock(cfg.name)):
         base = root.store(cfg.name)
         trees: list[storegc.Tree] = []
         with suppress(FileNotFoundError):

@@ -90,6 +90,19 @@ class HostRoot:
     def runtime(self) -> Path:
         return self(OWN_DIRS[1])
 
+    # Per-instance files are <instance>.<suffix>; node-wide ones start with a dot, which no
+    # instance name does (kvcd/core/names.py), so no instance can name a node-wide file. A
+    # suffix with a dot in it must not end in another suffix: instance "a"'s "a.reload.lock"
+    # would be instance "a.reload"'s lock (tests/unit/test_names.py checks the set).
+    def instance_lock(self, instance: str) -> Path:
+        """Held while the instance's record and module files change (daemon and CLI verbs)."""
+        return self.runtime / f"{instance}.lock"
+
+    @property
+    def owners_lock(self) -> Path:
+        """Node-wide: held while an instance checks that no other one owns its modules."""
+        return self.runtime / ".modules.lock"
+
     def force_file(self, instance: str) -> Path:
         return self.runtime / f"{instance}.force"
 
@@ -99,6 +112,18 @@ class HostRoot:
     def reload_request(self, instance: str) -> Path:
         """`kvcd reload` writes a sequence number here before it signals the daemon."""
         return self.runtime / f"{instance}.reload"
+
+    def drift_note(self, instance: str) -> Path:
+        """The drift monitor's own status (watching N files / periodic only)."""
+        return self.runtime / f"{instance}.drift.json"
+
+    def links_note(self, instance: str) -> Path:
+        """The links an instance provides, as its daemon last saw them."""
+        return self.runtime / f"{instance}.links.json"
+
+    def reload_lock(self, instance: str) -> Path:
+        """Held by `kvcd reload` while it numbers its request."""
+        return self.runtime / f"{instance}.reload-lock"
 
     def reload_answer(self, instance: str) -> Path:
         """The daemon's answer to the newest reload it handled: that number and the outcome."""

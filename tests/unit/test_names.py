@@ -131,3 +131,72 @@ def test_an_accepted_name_is_a_safe_path_component_and_unit_instance(text: str) 
 def test_an_accepted_kernel_is_a_safe_path_component(text: str) -> None:
     if kernel_problem(text) is None:
         assert _safe_component(text) and len(text) <= 128
+
+
+# --- no instance can name another instance's file, or a node-wide one ------------------------
+
+K = "6.1.0-56-amd64"
+
+
+def instance_files(root: HostRoot, name: str) -> set[Path]:
+    """Every file or directory kvcd keeps under the instance's name."""
+    from kvcd.daemon import drift
+
+    return {
+        root.state_file(name),
+        root.store(name),
+        drift.baseline_path(root, name),
+        root.instance_lock(name),
+        root.force_file(name),
+        root.pid_file(name),
+        root.reload_request(name),
+        root.reload_lock(name),
+        root.reload_answer(name),
+        root.drift_note(name),
+        root.links_note(name),
+    }
+
+
+def node_files(root: HostRoot) -> set[Path]:
+    from kvcd.daemon import drift
+    from kvcd.node.filebackend import node_file
+
+    return {root.owners_lock, root.module_lock, drift.depmod_record_path(root, K), node_file(root)}
+
+
+# Names made of kvcd's own suffixes and node-wide names: where a collision would come from.
+PARTS = ["a", "modules", "depmod", "node", "reload", "reloaded", "lock", "drift", "links", "json"]
+PARTS += ["pid", "force", "-", ".", K]
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("a", "a.reload"),  # a.reload.lock was both a's reload lock and a.reload's lock
+        ("a", "a.drift"),
+        ("a", "a.links"),
+        ("a", "a.reloaded"),
+        ("modules", "x"),  # /run/kvcd/modules.lock was the node-wide owners lock
+        (f"depmod-{K}", "x"),  # drift/depmod-<kernel>.json was the node-wide depmod record
+        ("node", "x"),
+    ],
+)
+def test_known_collisions_are_gone(one: str, other: str) -> None:
+    root = HostRoot(Path("/r"))
+    assert instance_problem(one) is None and instance_problem(other) is None
+    assert not instance_files(root, one) & instance_files(root, other)
+    assert not instance_files(root, one) & node_files(root)
+
+
+@given(
+    st.lists(st.sampled_from(PARTS), min_size=1, max_size=5),
+    st.lists(st.sampled_from(PARTS), min_size=1, max_size=5),
+)
+def test_no_two_instance_names_share_a_file(one: list[str], other: list[str]) -> None:
+    a, b = "".join(one), "".join(other)
+    root = HostRoot(Path("/r"))
+    for name in (a, b):
+        if instance_problem(name) is None:
+            assert not instance_files(root, name) & node_files(root), name
+    if a != b and instance_problem(a) is None and instance_problem(b) is None:
+        assert not instance_files(root, a) & instance_files(root, b), (a, b)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
-from kvcd.daemon import nextkernel, status, storegc
+from kvcd.daemon import drift, nextkernel, status, storegc
 from kvcd.daemon.events import Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
@@ -542,7 +542,8 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     next_tree = prepared_weak(host, B)
     gone_tree = prepared_weak(host, C)  # was the next kernel; its package is gone now
     (host.state / "drift").mkdir(parents=True)
-    (host.state / "drift" / f"depmod-{C}.json").write_text("{}")
+    drift.depmod_record_path(host, C).parent.mkdir(parents=True, exist_ok=True)
+    drift.depmod_record_path(host, C).write_text("{}")
 
     removed = storegc.collect(host, config(host), A, B)
 
@@ -554,7 +555,7 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     assert running.is_dir() and kmod.active_store(host, A, NAME) == running
     assert next_tree.is_dir() and kmod.weak_updates_store(host, B, NAME) == next_tree
     assert not host.kernel_dir(C).exists()
-    assert not (host.state / "drift" / f"depmod-{C}.json").exists()
+    assert not drift.depmod_record_path(host, C).exists()
     assert storegc.collect(host, config(host), A, B) == []  # idempotent
 
 
