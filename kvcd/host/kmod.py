@@ -347,8 +347,12 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
             _tell_weak_modules(after, add=True)
         else:
             _replace_symlink(link, target)
-        log.info("%s: kernel %s modules from %s (was %s)", instance, kernel, target, previous)
+        log.info("%s: kernel %s modules from %s%s", instance, kernel, target, _was(previous))
     return previous
+
+
+def _was(previous: Path | None) -> str:
+    return f" (was {previous})" if previous is not None else " (none before)"
 
 
 def deactivate(root: HostRoot, kernel: str, instance: str) -> Path | None:
@@ -532,7 +536,7 @@ def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Pat
         if previous != target:
             _replace_symlink(link, target)
             log.info(
-                "%s: kernel %s weak-updates from %s (was %s)", instance, kernel, target, previous
+                "%s: kernel %s weak-updates from %s%s", instance, kernel, target, _was(previous)
             )
     return previous
 
