@@ -286,25 +286,56 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
             kernel = running_kernel(root)
         except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
             kernel = None
-    bad = sum(not _check_one(root, settings, name, kernel) for name in names)
+    node = _Node(root)
+    bad = sum(not _check_one(node, settings, name, kernel) for name in names)
     return EXIT_USAGE if bad else EXIT_OK
 
 
-def _check_one(root: HostRoot, settings: Settings, name: str, kernel: str | None) -> bool:
+class _Node:
+    """What check-config reads of every instance, read once per run: each config (checking N
+    instances against their neighbours would load every config N times) and the modules each
+    instance holds now."""
+
+    def __init__(self, root: HostRoot) -> None:
+        from kvcd.config.loader import list_instances
+        from kvcd.daemon.instance import held_modules
+
+        self.root = root
+        self.names = list_instances(root)
+        self.held = held_modules(root)
+        self._configs: dict[str, InstanceConfig | Exception] = {}
+
+    def config(self, name: str) -> InstanceConfig:
+        """The instance's config; its ConfigError, every time it is asked for."""
+        from kvcd.config.loader import load_instance
+        from kvcd.config.model import ConfigError
+
+        if name not in self._configs:
+            try:
+                self._configs[name] = load_instance(self.root, name)
+            except ConfigError as exc:
+                self._configs[name] = exc
+        got = self._configs[name]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> bool:
     """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
-    from kvcd.config.loader import load_instance
     from kvcd.config.model import ConfigError
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
     from kvcd.daemon.upgrade import check_upgrade_label
 
+    root = node.root
     try:
-        cfg = load_instance(root, name)
+        cfg = node.config(name)
         check_upgrade_label(cfg, settings)
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
         return False
-    problem, warnings = _neighbours(root, cfg, kernel)
+    problem, warnings = _neighbours(node, cfg, kernel)
     if problem:
         print(f"{name}: INVALID: {problem}")
         return False
@@ -331,24 +362,22 @@ def _check_one(root: HostRoot, settings: Settings, name: str, kernel: str | None
     return True
 
 
-def _neighbours(root: HostRoot, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
+def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
     """What another instance makes impossible for this one: the error ("" when none) when
     another holds one of its modules or would use its image tag; a warning per other configured
     instance that lists some of its modules (only one of them can be running)."""
-    from kvcd.config.loader import list_instances, load_instance
     from kvcd.config.model import ConfigError
     from kvcd.core import owners, state
-    from kvcd.daemon.instance import holders
 
     name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
-    held = owners.shared(name, modules, holders(root, name))
+    held = owners.shared(name, modules, {o: m for o, m in node.held.items() if o != name})
     if held:
         return f"{state.MODULE_OWNED}: {owners.describe(name, held)}", []
     others: dict[str, InstanceConfig] = {}
-    for other in list_instances(root):
+    for other in node.names:
         if other != name:
             try:
-                others[other] = load_instance(root, other)
+                others[other] = node.config(other)
             except ConfigError:  # said where that instance is checked
                 continue
     if kernel:

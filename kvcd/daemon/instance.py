@@ -182,11 +182,16 @@ class Instance:
 
 
 def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
-    """The other instances' modules they hold now: recorded with the goal loaded, and either in
-    the kernel or being loaded (Working). A record that cannot be read holds nothing here (its
-    own daemon sets it aside and says so)."""
+    """The other instances' modules they hold now (see held_modules)."""
+    return {other: mods for other, mods in held_modules(root).items() if other != name}
+
+
+def held_modules(root: HostRoot) -> dict[str, list[str]]:
+    """Each instance's modules it holds now: recorded with the goal loaded, and either in the
+    kernel or being loaded (Working). A record that cannot be read holds nothing here (its own
+    daemon sets it aside and says so)."""
     out: dict[str, list[str]] = {}
-    for other in (n for n in recorded_names(root) if n != name):
+    for other in recorded_names(root):
         try:
             rec = Record.load(root, other)
         except OSError:
