@@ -210,9 +210,17 @@ class DirWatch:
             if not new:
                 break
             for path in new:
-                self._watches[path] = obs.schedule(self._handler, str(path), recursive=False)
+                try:
+                    self._watches[path] = obs.schedule(self._handler, str(path), recursive=False)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                        raise
+                    # Gone again before its watch took (rm -r while it is re-armed): the next
+                    # round watches its nearest existing ancestor instead.
+                    log.debug("fswatch: %s went away before it was watched", path)
+                    continue
                 log.debug("fswatch: watching %s", path)
-            added.extend(new)
+                added.append(path)
         return added
 
     def _relevant(self, path: Path, event_type: str) -> bool:
@@ -249,12 +257,13 @@ class DirWatch:
                     # Entries made before a new watch took effect were never reported.
                     paths.extend(self._rearm(deleted))
                 except OSError as exc:
-                    if not _is_limit(exc):
-                        raise
+                    # Never out of the observer thread: that would end every later event. The
+                    # caller falls back to its periodic checks and says why.
                     self.limited = True
                     log.warning("fswatch: %s", exc)
+                    why = "inotify limit" if _is_limit(exc) else f"cannot watch {exc.filename}"
                     if self.on_limit is not None:
-                        self.on_limit(WatchLimit(f"inotify limit: {exc.strerror or exc}"))
+                        self.on_limit(WatchLimit(f"{why}: {exc.strerror or exc}"))
         if event.is_directory and event.event_type == "modified":
             with self._lock:
                 # watchdog echoes every entry event of a watched directory as "modified" on the

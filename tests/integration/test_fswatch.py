@@ -299,3 +299,35 @@ def test_a_watched_directory_does_not_echo_its_entries(tmp_path: Path) -> None:
         assert version / "B" not in seen.got  # not an entry of a watched directory
     finally:
         w.stop()
+
+
+def test_a_directory_gone_before_its_watch_takes_is_no_crash(tmp_path: Path) -> None:
+    """rm -r while the watches are re-armed: inotify_add_watch fails with ENOENT for the
+    directory just seen. The observer thread lives on, the ancestor is watched instead, and
+    later events still arrive (the thread once died here and every later event was lost)."""
+    from watchdog.observers.inotify import InotifyObserver
+
+    target = tmp_path / "x" / "y"
+    raced: list[Path] = []
+
+    class Racing(InotifyObserver):  # type: ignore[misc]
+        def schedule(self, handler: Any, path: str, **kw: Any) -> Any:
+            if Path(path) == target and not raced:  # it goes away just before the watch
+                raced.append(target)
+                shutil.rmtree(target)
+            return super().schedule(handler, path, **kw)
+
+    seen = Arrivals[Path]()
+    w = DirWatch([target], seen, observer_factory=Racing)
+    w.start()
+    try:
+        target.mkdir(parents=True)
+        assert _until(lambda: bool(raced)), w.watched()
+        assert _until(lambda: target.parent in w.watched()), w.watched()
+        assert target not in w.watched() and not w.limited
+        target.mkdir()  # and back: watched again, its entries reported
+        assert _until(lambda: target in w.watched()), w.watched()
+        (target / "f").write_text("x")
+        assert seen.wait_for(target / "f"), (seen.got, w.watched())
+    finally:
+        w.stop()
