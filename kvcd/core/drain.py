@@ -161,10 +161,10 @@ def after(claim: Claim | None, current: str, outcome: str) -> tuple[str, str, st
     return AFTER[(claim.kind if claim else "", current_value(current), outcome)]
 
 
-def outcome_of(state: str, reason: str) -> str | None:
-    """Classify a record: the planner's ModuleInUse block, a failed unload, done, other failure;
-    None for Working (nothing was decided: a hold, or still waiting)."""
-    code = reason.split(":", 1)[0].strip()
+def outcome_of(state: str, code: str) -> str | None:
+    """Classify a record by its state and reason code: the planner's ModuleInUse block, a
+    failed unload, done, other failure; None for Working (nothing was decided: a hold, or still
+    waiting)."""
     if state == "Done":
         return APPLIED
     if state == "Working":

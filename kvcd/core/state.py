@@ -98,7 +98,9 @@ class StepFailed(Exception):
 
 
 def reason_text(code: str, detail: str) -> str:
-    text = f"{code}: {detail}" if detail else code
+    """The one spelling of a reason: "<Code>: <detail>", or the detail alone for a note that has
+    no code ("waiting for links: …", "no device")."""
+    text = (f"{code}: {detail}" if detail else code) if code else detail
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 1] + "…"
 
 

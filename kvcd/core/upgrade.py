@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcd.core import state
+from kvcd.core.state import reason_text
 
 # Verbs (the daemon maps them onto its LOAD / UNLOAD / HOLD verdicts).
 LOAD = "load"
@@ -63,7 +64,12 @@ TABLE: dict[tuple[str, str], tuple[str, str, str]] = {
 class Decision:
     verb: str
     state: str  # for HOLD
-    reason: str  # "" for a plain load
+    code: str  # "" for a plain load
+    detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        return reason_text(self.code, self.detail)
 
 
 def classify_label(label: str | None, configured: str) -> str:
@@ -102,7 +108,7 @@ def decide(
         detail = f"label {label_key}={label} but the configured version is {configured}"
     else:
         detail = ""
-    return Decision(verb, st, f"{code}: {detail}" if code else "")
+    return Decision(verb, st, code, detail)
 
 
 def unreachable(label_key: str, detail: str) -> Decision:
@@ -110,6 +116,6 @@ def unreachable(label_key: str, detail: str) -> Decision:
     return Decision(
         HOLD,
         "Working",
-        f"{NODE_UNAVAILABLE}: cannot read label {label_key} ({detail}); "
-        "keeping modules as they are",
+        NODE_UNAVAILABLE,
+        f"cannot read label {label_key} ({detail}); keeping modules as they are",
     )

@@ -153,4 +153,4 @@ class DependsGate(Extension):
                 waiting.append(f"{dep} ({why})")
         if not waiting:
             return None
-        return Verdict(HOLD, state.WORKING, f"{WAITING}: {', '.join(waiting)}")
+        return Verdict(HOLD, state.WORKING, detail=f"{WAITING}: {', '.join(waiting)}")

@@ -83,7 +83,7 @@ class DeviceGate(Extension):
         if not loaded:
             # Nothing to do, but the goal is "unloaded": nobody may read an idle instance as
             # one whose modules went missing (the drift monitor's /sys/module check).
-            return Verdict(UNLOAD, state.DONE, NO_DEVICE)
+            return Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)
         if ctx.cfg.unload_on_device_removal:
-            return Verdict(UNLOAD, state.DONE, NO_DEVICE)
-        return Verdict(LOAD, state.DONE, KEPT_LOADED)
+            return Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)
+        return Verdict(LOAD, state.DONE, detail=KEPT_LOADED)

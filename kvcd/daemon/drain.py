@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.core import drain as hs
-from kvcd.core.state import reason_text
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import boot_id
 from kvcd.daemon.report import NodeLink
@@ -52,8 +51,9 @@ def holders_text(ctx: Context, modules: list[str]) -> str:
         return ""
 
 
-def _with_holders(reason: str, holders: str) -> str:
-    base = reason.split("; holders: ", 1)[0]
+def _with_holders(detail: str, holders: str) -> str:
+    """The detail with the holders named now (replacing those named by an earlier look)."""
+    base = detail.split("; holders: ", 1)[0]
     return base + (f"; holders: {holders}" if holders else "")
 
 
@@ -173,19 +173,21 @@ class Drain(Extension):
             return Verdict(
                 HOLD,
                 "Working",
-                f"{hs.DRAIN_PENDING}: {claim.kind} requested; waiting for "
+                hs.DRAIN_PENDING,
+                f"{claim.kind} requested; waiting for "
                 f"{nodekeys.drain_current_key(self.link.prefix)}={hs.DRAIN_COMPLETE} "
                 f"(now {hs.current_value(current)})",
             )
         return Verdict(
             HOLD,
             "Degraded",
-            f"{hs.DRAIN_TIMEOUT}: no {hs.DRAIN_COMPLETE} within "
+            hs.DRAIN_TIMEOUT,
+            f"no {hs.DRAIN_COMPLETE} within "
             f"{ctx.settings.drain_timeout:.0f}s of the {claim.kind} request",
         )
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
-        outcome = hs.outcome_of(record.state, record.reason)
+        outcome = hs.outcome_of(record.state, record.code)
         if mode(ctx) != "cluster":
             return self._report_holders(ctx, record, outcome)
         if outcome is None:
@@ -206,7 +208,8 @@ class Drain(Extension):
                 return Verdict(
                     HOLD,
                     "Degraded",
-                    _with_holders(record.reason, holders)
+                    record.code,
+                    _with_holders(record.detail, holders)
                     + "; cannot request a node drain: the node is unreachable (retrying)",
                 )
             log.warning(
@@ -219,11 +222,8 @@ class Drain(Extension):
             )
             if kind == hs.DRAIN_REQUIRED:
                 self._arm(ctx, new)
-            why = record.reason.split(":", 1)[-1].strip()
             return Verdict(
-                HOLD,
-                new_state,
-                reason_text(code, f"{kind} requested: " + _with_holders(why, holders)),
+                HOLD, new_state, code, f"{kind} requested: " + _with_holders(record.detail, holders)
             )
         if action == hs.RELEASE:
             self._cancel()
@@ -232,13 +232,11 @@ class Drain(Extension):
         if not new_state:
             return None
         if code == hs.STILL_IN_USE:
-            detail = (
-                "still in use after the drain completed: " + record.reason.split(":", 1)[-1].strip()
-            )
-            return Verdict(HOLD, new_state, reason_text(code, _with_holders(detail, holders)))
-        if record.reason.startswith(code):
+            detail = "still in use after the drain completed: " + record.detail
+            return Verdict(HOLD, new_state, code, _with_holders(detail, holders))
+        if record.code == code:
             return None
-        return Verdict(HOLD, new_state, reason_text(code, record.reason))
+        return Verdict(HOLD, new_state, code, record.reason)
 
     def _report_holders(self, ctx: Context, record: Record, outcome: str | None) -> Verdict | None:
         """drain = none: name who holds the modules (reason, status, journal)."""
@@ -247,13 +245,8 @@ class Drain(Extension):
         holders = holders_text(ctx, record.modules)
         if not holders:
             return None
-        reason = reason_text(*_split(_with_holders(record.reason, holders)))
-        if reason == record.reason:
+        detail = _with_holders(record.detail, holders)
+        if detail == record.detail:
             return None
         log.warning("modules in use: %s", holders, extra={**ctx.fields, "KVCD_HOLDERS": holders})
-        return Verdict(HOLD, record.state, reason)
-
-
-def _split(reason: str) -> tuple[str, str]:
-    code, _, detail = reason.partition(": ")
-    return code, detail
+        return Verdict(HOLD, record.state, record.code, detail)

@@ -861,7 +861,7 @@ class DriftMonitor(Extension):
                 )
             self.drifted = reason
             self._held = True
-            return Verdict(HOLD, state.DEGRADED, reason)
+            return Verdict(HOLD, state.DEGRADED, state.DRIFT, core.reason(diffs))
         if self.damaged and not any(e.source in ("start", "signal") for e in events):
             # A drift record was set aside: no changes on the monitor's own trigger, say so;
             # the next trigger reconciles (StateDamaged is this monitor's own hold) and the
@@ -893,7 +893,7 @@ class DriftMonitor(Extension):
             return None
         previous = Record.read(ctx.root, ctx.name)
         ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED, state.STATE_DAMAGED)
-        if previous is None or previous.reason.startswith(ours):
+        if previous is None or previous.code in ours:
             return None
         # Other sources' events reconcile as usual, except that file events never retry a
         # failed change (its rollback rewrote the files: that would retry it forever); a
@@ -902,7 +902,7 @@ class DriftMonitor(Extension):
         if mixed and previous.state != state.DEGRADED:
             return None
         self._held = True
-        return Verdict(HOLD, previous.state, previous.reason)
+        return Verdict(HOLD, previous.state, previous.code, previous.detail)
 
     def _modules(self, ctx: Context, events: list[Event]) -> Verdict | None:
         """/sys/module as the truth after module events (and on every other trigger)."""
@@ -913,7 +913,7 @@ class DriftMonitor(Extension):
         ours = (state.MODULE_REMOVED, state.MODULE_REPLACED)
         if previous is None or previous.goal != "loaded":
             return None
-        if previous.state != state.DONE and not previous.reason.startswith(ours):
+        if previous.state != state.DONE and previous.code not in ours:
             return None
         expected: dict[str, str | None] = {}
         manifest = None
@@ -948,7 +948,7 @@ class DriftMonitor(Extension):
             self._reload = True
             return None
         self._held = True
-        return Verdict(HOLD, state.DEGRADED, reason)
+        return Verdict(HOLD, state.DEGRADED, code, finding.detail)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         if self._held:
@@ -976,7 +976,7 @@ class DriftMonitor(Extension):
     def _damaged_verdict(self) -> Verdict:
         detail = "; ".join(dict.fromkeys(self.damaged)) + "; drift records taken again"
         self.damaged.clear()
-        return Verdict(HOLD, state.DEGRADED, state.reason_text(state.STATE_DAMAGED, detail))
+        return Verdict(HOLD, state.DEGRADED, state.STATE_DAMAGED, detail)
 
     def _rebaseline(self, ctx: Context) -> None:
         path = baseline_path(ctx.root, ctx.name)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core.state import reason_text
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -55,7 +56,12 @@ class Event:
 class Verdict:
     verb: str  # LOAD | UNLOAD | HOLD
     state: str = ""  # for HOLD (and for `after`): Done | Working | Degraded
-    reason: str = ""  # written into the record; empty for Done
+    code: str = ""  # written into the record: a reason code ("" for Done or a plain note)
+    detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        return reason_text(self.code, self.detail)
 
 
 class Mailbox:

@@ -66,11 +66,11 @@ class Instance:
         d = self.desired
         return VERBS[verb](d, observe(self.root, d))
 
-    def apply(self, verb: str, *, pid: int | None = None, why: str = "") -> Record:
+    def apply(self, verb: str, *, pid: int | None = None, code: str = "", why: str = "") -> Record:
         """Plan and apply `verb` under the instance lock; record the outcome; raise StepFailed.
 
-        `why` is kept as the Done record's reason when something other than the config chose
-        the verb (e.g. "no device": Done, nothing loaded)."""
+        `code` and `why` are kept as the Done record's reason when something other than the
+        config chose the verb (e.g. "no device": Done, nothing loaded)."""
         with files.locked(self.root.instance_lock(self.cfg.name)):
             # Node-wide, held from the ownership check to the Working record that claims the
             # modules (not through the work): two instances starting at once cannot both take
@@ -88,9 +88,9 @@ class Instance:
                     self.on_build_line,
                 ).apply(plan)
             except StepFailed as exc:
-                self._record(record, state.DEGRADED, str(exc))
+                self._record(record, state.DEGRADED, exc.code, exc.detail)
                 raise
-            self._record(record, state.DONE, why)
+            self._record(record, state.DONE, code, why)
             return record
 
     def _check_owner(self, verb: str, pid: int | None) -> None:
@@ -102,13 +102,7 @@ class Instance:
         found = owners.shared(self.cfg.name, mine, holders(self.root, self.cfg.name))
         if found:
             detail = owners.describe(self.cfg.name, found)
-            record_failure(
-                self.root,
-                self.cfg.name,
-                self.kernel,
-                state.reason_text(state.MODULE_OWNED, detail),
-                pid,
-            )
+            record_failure(self.root, self.cfg.name, self.kernel, state.MODULE_OWNED, detail, pid)
             raise StepFailed(state.MODULE_OWNED, detail)
 
     def _claim(self, verb: str, pid: int | None) -> tuple[Plan, Record]:
@@ -134,10 +128,10 @@ class Instance:
             record.next_kernel_reason = previous.next_kernel_reason
         changes = [a for a in plan.actions if not isinstance(a, Verify)]
         if changes or plan.blocked:
-            self._record(record, state.WORKING, "")
+            self._record(record, state.WORKING, "", "")
         return plan, record
 
-    def note(self, new_state: str, reason: str, *, pid: int | None = None) -> Record:
+    def note(self, new_state: str, code: str, detail: str, *, pid: int | None = None) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's
         finding such as "waiting for links"). Goal, version and modules stay as last recorded."""
         with files.locked(self.root.instance_lock(self.cfg.name)):
@@ -152,16 +146,17 @@ class Instance:
             record.boot_id = boot_id(self.root)
             record.generation += 1
             record.pid = pid
-            if previous is None or (previous.state, previous.reason) != (new_state, reason):
-                self._record(record, new_state, reason)
+            if previous is None or not previous.says(new_state, code, detail):
+                self._record(record, new_state, code, detail)
             else:
                 record.updated = time.time()
                 record.write(self.root)
             return record
 
-    def _record(self, record: Record, new_state: str, reason: str) -> None:
+    def _record(self, record: Record, new_state: str, code: str, detail: str) -> None:
         record.state = new_state
-        record.reason = reason
+        record.code = code
+        record.detail = detail
         record.updated = time.time()
         record.write(self.root)
         fields: dict[str, Any] = {
@@ -171,7 +166,9 @@ class Instance:
             "KVCD_STATE": new_state,
         }
         if new_state == state.DEGRADED:
-            log.error("degraded: %s", reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED})
+            log.error(
+                "degraded: %s", record.reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
+            )
         else:
             log.info(
                 "state %s%s",
@@ -209,13 +206,14 @@ def held_modules(root: HostRoot) -> dict[str, list[str]]:
 
 
 def record_failure(
-    root: HostRoot, name: str, kernel: str, reason: str, pid: int | None = None
+    root: HostRoot, name: str, kernel: str, code: str, detail: str, pid: int | None = None
 ) -> None:
     """Write Degraded for an instance that could not even be planned (e.g. its config is bad)."""
     previous = Record.read(root, name)
     rec = previous or Record(instance=name, state=state.DEGRADED)
     rec.state = state.DEGRADED
-    rec.reason = reason
+    rec.code = code
+    rec.detail = detail
     rec.kernel = kernel
     rec.boot_id = boot_id(root)
     rec.updated = time.time()

@@ -80,6 +80,7 @@ class LinkReadiness(Extension):
         self.watch: Watch | None = None
         self.watch_off = "not started"  # why no netlink events arrive ("" = they do)
         self.since: float | None = None  # when the current wait began
+        self.said: Verdict | None = None  # this hook's last amendment of the record
         self.timer: Any = None
         self.post: Callable[[Event], None] | None = None
 
@@ -110,15 +111,17 @@ class LinkReadiness(Extension):
             self.timer.cancel()
             self.timer = None
 
-    @staticmethod
-    def _ours(record: Record) -> bool:
-        """The record carries this hook's own amendment: a reconcile that held the record (and
-        changed nothing) hands it back, and the modules are as loaded as they were."""
-        return (record.state == state.WORKING and record.reason.startswith(WAITING)) or (
-            record.state == state.DEGRADED and record.reason.startswith(state.LINKS_MISSING)
-        )
+    def _ours(self, record: Record) -> bool:
+        """The record carries this hook's own last amendment: a reconcile that held the record
+        (and changed nothing) hands it back, and the modules are as loaded as they were."""
+        said = self.said
+        return said is not None and record.says(said.state, said.code, said.detail)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
+        self.said = self._after(ctx, record)
+        return self.said
+
+    def _after(self, ctx: Context, record: Record) -> Verdict | None:
         specs = ctx.cfg.expect_links
         loaded = (
             (record.state == state.DONE or self._ours(record))
@@ -134,9 +137,7 @@ class LinkReadiness(Extension):
             seen = self.lister(ctx.root)
         except OSError as exc:  # netlink refused: say so
             self._cancel()
-            return Verdict(
-                HOLD, state.DEGRADED, state.reason_text(state.LINKS_MISSING, f"cannot list: {exc}")
-            )
+            return Verdict(HOLD, state.DEGRADED, state.LINKS_MISSING, f"cannot list: {exc}")
         missing, provided = links_ready(specs, seen)
         self._write(
             ctx,
@@ -166,11 +167,12 @@ class LinkReadiness(Extension):
             return Verdict(
                 HOLD,
                 state.DEGRADED,
-                state.reason_text(state.LINKS_MISSING, f"after {timeout:.0f}s: {what}"),
+                state.LINKS_MISSING,
+                f"after {timeout:.0f}s: {what}",
             )
         if self.timer is None and self.post is not None:
             post = self.post
             self.timer = self.timer_factory(left, lambda: post(Event(self.name, "timeout")))
             self.timer.daemon = True
             self.timer.start()
-        return Verdict(HOLD, state.WORKING, f"{WAITING}: {what}")
+        return Verdict(HOLD, state.WORKING, detail=f"{WAITING}: {what}")

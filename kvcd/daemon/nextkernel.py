@@ -461,7 +461,7 @@ class NextKernel(Extension):
             # does, so keep the recorded state (no retry of a Degraded load); `after` prepares.
             rec = Record.read(ctx.root, ctx.name)
             if rec is not None:
-                return Verdict(HOLD, rec.state, rec.reason)
+                return Verdict(HOLD, rec.state, rec.code, rec.detail)
         return None
 
     def report_boot(self, ctx: Context) -> None:

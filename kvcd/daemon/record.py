@@ -53,7 +53,11 @@ class Record:
 
     instance: str
     state: str
-    reason: str = ""
+    # Why the state is what it is: a reason code (kvcd/core/state.py REASONS, "" for a note
+    # without one) and its detail. The file also holds `reason`, the two as one line (what
+    # `kvcd status` and the node show); nothing reads the code back out of that text.
+    code: str = ""
+    detail: str = ""
     goal: str = "loaded"
     version: str = ""
     kernel: str = ""
@@ -68,6 +72,13 @@ class Record:
     next_kernel_state: str = ""
     next_kernel_reason: str = ""
 
+    @property
+    def reason(self) -> str:
+        return state.reason_text(self.code, self.detail)
+
+    def says(self, new_state: str, code: str, detail: str) -> bool:
+        return (self.state, self.code, self.detail) == (new_state, code, detail)
+
     @classmethod
     def parse(cls, path: Path, raw: bytes) -> Record:
         """The record in `raw`; files.Damaged when it is not one (garbage, truncated JSON, a
@@ -75,6 +86,8 @@ class Record:
         data = files.parse_json(path, raw)
         if not isinstance(data, dict):
             raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not an object")
+        if "code" not in data and isinstance(data.get("reason"), str):
+            data = {**data, **_from_reason(data["reason"])}  # written by an earlier kvcd
         known: dict[str, Any] = {}
         for name, f in cls.__dataclass_fields__.items():
             if name not in data:
@@ -109,9 +122,8 @@ class Record:
             rec = cls(
                 instance=name,
                 state=state.DEGRADED,
-                reason=state.reason_text(
-                    state.STATE_DAMAGED, f"{exc.path} {exc.what}{where}; rebuilding from the host"
-                ),
+                code=state.STATE_DAMAGED,
+                detail=f"{exc.path} {exc.what}{where}; rebuilding from the host",
                 updated=time.time(),
             )
             rec.write(root)
@@ -122,8 +134,21 @@ class Record:
             )
             return rec
 
+    def to_json(self) -> dict[str, Any]:
+        """The file's (and `kvcd status --json`'s) object: the fields and the reason line."""
+        return {**asdict(self), "reason": self.reason}
+
     def write(self, root: HostRoot) -> None:
-        files.write_json(root.state_file(self.instance), asdict(self))
+        files.write_json(root.state_file(self.instance), self.to_json())
+
+
+def _from_reason(line: str) -> dict[str, str]:
+    """A record from before the code had its own field: the code is the reason's first word
+    when it is one of REASONS (the only reading of reason text, for files kvcd wrote itself)."""
+    code, _, detail = line.partition(": ")
+    if code in state.REASONS:
+        return {"code": code, "detail": detail}
+    return {"code": "", "detail": line}
 
 
 def _opt(check: Callable[[object], bool]) -> Callable[[object], bool]:

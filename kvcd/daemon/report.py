@@ -117,9 +117,8 @@ def node_patch(keys: Keys, record: Record) -> dict[str, str | None]:
 
 def event_reason(record: Record) -> str:
     """A node Event's reason: the record's reason code, else its state (stable vocabulary)."""
-    code = record.reason.split(":", 1)[0].strip() if record.reason else ""
-    if code and code.isalnum():
-        return code
+    if record.code:
+        return record.code
     if record.state == DONE:
         return "ModulesUnloaded" if record.goal == "unloaded" else "ModulesLoaded"
     return record.state

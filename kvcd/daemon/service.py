@@ -140,9 +140,14 @@ class Service:
             check_upgrade_label(self.cfg, settings)
         except ConfigError as exc:
             self.config_invalid = True
-            reason = state.reason_text(state.CONFIG_INVALID, str(exc))
-            log.error("%s", reason, extra={**self.fields, "KVCD_STATE": state.DEGRADED})
-            record_failure(self.root, self.name, self.kernel, reason, os.getpid())
+            log.error(
+                "%s",
+                state.reason_text(state.CONFIG_INVALID, str(exc)),
+                extra={**self.fields, "KVCD_STATE": state.DEGRADED},
+            )
+            record_failure(
+                self.root, self.name, self.kernel, state.CONFIG_INVALID, str(exc), os.getpid()
+            )
             return None
         if self.ctx is None:  # the module tree is chosen once, at start
             self.root = root
@@ -227,7 +232,7 @@ class Service:
             try:
                 verdict = ext.verdict(self.ctx, events)
             except StepFailed as exc:  # it read something kvcd cannot act on: say so, hold
-                verdict = Verdict(HOLD, state.DEGRADED, str(exc))
+                verdict = Verdict(HOLD, state.DEGRADED, exc.code, exc.detail)
             if verdict is not None:
                 log.debug("%s: %s %s", ext.name, verdict.verb, verdict.reason, extra=self.fields)
                 return verdict
@@ -242,11 +247,8 @@ class Service:
             return None
         for ext in self.exts:
             amended = ext.after(self.ctx, record)
-            if amended is not None and (amended.state, amended.reason) != (
-                record.state,
-                record.reason,
-            ):
-                record = inst.note(amended.state, amended.reason, pid=os.getpid())
+            if amended is not None and not record.says(amended.state, amended.code, amended.detail):
+                record = inst.note(amended.state, amended.code, amended.detail, pid=os.getpid())
         return record
 
     # -- reconcile -------------------------------------------------------------------------------
@@ -284,9 +286,13 @@ class Service:
                 with _Keepalive(self.notify):
                     try:
                         if verdict.verb == HOLD:
-                            record = inst.note(verdict.state, verdict.reason, pid=os.getpid())
+                            record = inst.note(
+                                verdict.state, verdict.code, verdict.detail, pid=os.getpid()
+                            )
                         else:
-                            record = inst.apply(verdict.verb, pid=os.getpid(), why=verdict.reason)
+                            record = inst.apply(
+                                verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
+                            )
                         self._failed = None
                         # After-hooks may work long too (next-kernel builds ahead): keep feeding.
                         return self._after(inst, record)

@@ -6,7 +6,6 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +136,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             out.append(_unreadable(name, exc))
             continue
         entry: dict[str, Any] = (
-            asdict(rec)
+            rec.to_json()
             if rec
             else {"instance": name, "state": "Unknown", "reason": "never started"}
         )

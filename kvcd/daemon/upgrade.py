@@ -87,7 +87,7 @@ class OrderedUpgrade(Extension):
         if view is None:
             detail = writer.failing if writer is not None and writer.failing else "no node"
             d = table.unreachable(key, detail)
-            return Verdict(HOLD, d.state, d.reason)
+            return Verdict(HOLD, d.state, d.code, d.detail)
         label = view.labels.get(key)
         with self._lock:
             self._seen = label or ""
@@ -97,7 +97,7 @@ class OrderedUpgrade(Extension):
         d = table.decide(label, ctx.cfg.version, loaded, observed.active if loaded else None, key)
         if d.verb != table.LOAD:
             log.info("ordered upgrade: %s", d.reason, extra={**ctx.fields, "KVCD_LABEL": key})
-        return Verdict(_VERBS[d.verb], d.state, d.reason)
+        return Verdict(_VERBS[d.verb], d.state, d.code, d.detail)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         keys = self.link.keys(ctx)

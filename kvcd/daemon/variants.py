@@ -69,7 +69,7 @@ class VariantGate(Extension):
         _, why = resolve_variant(self.root or ctx.root, ctx.settings, ctx.cfg, ctx.kernel)
         if why is None:  # the node changed since the Instance was made; the next one fits
             return None
-        return Verdict(HOLD, state.DEGRADED, state.reason_text(state.NO_VARIANT, why))
+        return Verdict(HOLD, state.DEGRADED, state.NO_VARIANT, why)
 
 
 # --- `kvcd capabilities [--json] [--explain NAME]` -------------------------------------------

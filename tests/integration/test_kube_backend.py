@@ -503,7 +503,9 @@ def test_reporter_publishes_and_posts_one_event_per_state_change(
         rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
         rep.after(
             c,
-            Record("nic", "Degraded", "LoadFailed: x", version="1.0", kernel="6.1.0", boot_id="b"),
+            Record(
+                "nic", "Degraded", "LoadFailed", "x", version="1.0", kernel="6.1.0", boot_id="b"
+            ),
         )
         ann = api.node["metadata"]["annotations"]
         assert ann["kvcd.io/nic.state"] == "Degraded"
@@ -537,7 +539,7 @@ def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:
         v = up.verdict(c, [])
         assert v is not None and (v.verb, v.state) == (HOLD, "Working")
         assert v.reason.startswith("NodeUnavailable") and "keeping modules" in v.reason
-        assert rep.after(c, Record("nic", "Working", v.reason)) is None
+        assert rep.after(c, Record("nic", "Working", v.code, v.detail)) is None
         assert rep._timer is not None and rep._timer.is_alive()
     finally:
         rep.stop()

@@ -113,7 +113,7 @@ def test_readiness_on_real_links(netns: str, tmp_path: Path) -> None:
     ext = LinkReadiness(lister, lambda cb: LinkWatch(cb, netns=netns))
     ext.start(ctx)
     done = Record(instance="vethdrv", state=state.DONE, goal="loaded", modules=["veth"])
-    waiting = Verdict(HOLD, state.WORKING, "waiting for links: driver=veth name=kv* up")
+    waiting = Verdict(HOLD, state.WORKING, detail="waiting for links: driver=veth name=kv* up")
     try:
         assert ext.after(ctx, done) == waiting
         ip(netns, "link", "add", "kv0", "type", "veth", "peer", "name", "kv1")

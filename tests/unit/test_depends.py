@@ -178,7 +178,8 @@ def gate_context(root: HostRoot, deps: tuple[str, ...]) -> Context:
 
 
 def rec(root: HostRoot, name: str, st: str, goal: str = "loaded", reason: str = "") -> None:
-    Record(instance=name, state=st, goal=goal, reason=reason, modules=[name]).write(root)
+    code, _, detail = reason.rpartition(": ")
+    Record(instance=name, state=st, goal=goal, code=code, detail=detail, modules=[name]).write(root)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +225,7 @@ def test_depends_gate_verdict(
         root(f"/sys/module/{m}").mkdir(parents=True)
     gate = DependsGate(watch_factory=FakeWatch)
     ctx = gate_context(root, ("base",))
-    want = None if expected is None else Verdict(HOLD, state.WORKING, expected)
+    want = None if expected is None else Verdict(HOLD, state.WORKING, detail=expected)
     assert gate.verdict(ctx, []) == want
 
 

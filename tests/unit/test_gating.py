@@ -97,13 +97,13 @@ def use(monkeypatch: pytest.MonkeyPatch, *exts: Any) -> None:
 @pytest.mark.parametrize(
     ("devices", "mods_loaded", "unload", "expected"),
     [
-        ([], False, False, Verdict(UNLOAD, state.DONE, NO_DEVICE)),
-        ([], False, True, Verdict(UNLOAD, state.DONE, NO_DEVICE)),
+        ([], False, False, Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)),
+        ([], False, True, Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)),
         ([NIC], False, False, None),
         ([NIC], True, True, None),
-        ([OTHER], False, True, Verdict(UNLOAD, state.DONE, NO_DEVICE)),
-        ([], True, True, Verdict(UNLOAD, state.DONE, NO_DEVICE)),
-        ([], True, False, Verdict(LOAD, state.DONE, KEPT_LOADED)),
+        ([OTHER], False, True, Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)),
+        ([], True, True, Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)),
+        ([], True, False, Verdict(LOAD, state.DONE, detail=KEPT_LOADED)),
     ],
     ids=[
         "none-idle",
@@ -160,7 +160,7 @@ def test_a_watch_that_cannot_start_still_gates(host: HostRoot) -> None:
     gate = DeviceGate(watch=Broken())
     ctx = context(host, cfg)
     gate.start(ctx)
-    assert gate.verdict(ctx, []) == Verdict(UNLOAD, state.DONE, NO_DEVICE)
+    assert gate.verdict(ctx, []) == Verdict(UNLOAD, state.DONE, detail=NO_DEVICE)
     gate.stop()
 
 
@@ -251,13 +251,13 @@ def record(st: str = state.DONE, goal: str = "loaded") -> Record:
     return Record(instance="e2e", state=st, goal=goal, modules=MODS)
 
 
-WAITING = Verdict(HOLD, state.WORKING, "waiting for links: driver=dummy up")
-TIMED_OUT = Verdict(HOLD, state.DEGRADED, "LinksMissing: after 60s: driver=dummy up")
+WAITING = Verdict(HOLD, state.WORKING, detail="waiting for links: driver=dummy up")
+TIMED_OUT = Verdict(HOLD, state.DEGRADED, state.LINKS_MISSING, "after 60s: driver=dummy up")
 
 
 def held(v: Verdict) -> Record:
     r = record(v.state)
-    r.reason = v.reason
+    r.code, r.detail = v.code, v.detail
     return r
 
 
@@ -277,7 +277,14 @@ HELD_TIMED_OUT = held(TIMED_OUT)
         # hook its own amendment back: still loaded, the wait and its deadline go on.
         ([record(), HELD_WAITING], True, [], [0, 59.9], [WAITING, WAITING], []),
         ([record(), HELD_WAITING], True, [], [0, 60], [WAITING, TIMED_OUT], []),
-        ([record(), HELD_TIMED_OUT], True, [], [0, 61], [WAITING, TIMED_OUT], []),
+        (
+            [record(), record(), HELD_TIMED_OUT],
+            True,
+            [],
+            [0, 60, 61],
+            [WAITING, TIMED_OUT, TIMED_OUT],
+            [],
+        ),
         (record(state.DEGRADED), True, [], [0], [None], []),
         (record(goal="unloaded"), False, [], [0], [None], []),
         (record(), False, [], [0], [None], []),  # Done "no device": nothing loaded, no links
@@ -340,7 +347,7 @@ def test_links_that_cannot_be_listed_degrade(host: HostRoot) -> None:
     ext = links.LinkReadiness(broken, FakeLinkWatch, Clock(), FakeTimer)
     ext.start(context(host, cfg))
     assert ext.after(context(host, cfg), record()) == Verdict(
-        HOLD, state.DEGRADED, "LinksMissing: cannot list: netlink: permission denied"
+        HOLD, state.DEGRADED, state.LINKS_MISSING, "cannot list: netlink: permission denied"
     )
 
 

@@ -406,7 +406,7 @@ def test_boot_configuration_events_do_not_redo_the_instance(
     host: HostRoot, case: str, events: list[Event], want: tuple[str, str] | None
 ) -> None:
     """A kernel install must not retry a Degraded load: our events alone hold the state."""
-    Record(instance=NAME, state="Degraded", reason="LoadFailed: x", kernel=A).write(host)
+    Record(instance=NAME, state="Degraded", code="LoadFailed", detail="x", kernel=A).write(host)
     ext = NextKernel(Settings(), detector=lambda _r: NONE_BOOT)
     ctx, _ = context(host, config(host))
     got = ext.verdict(ctx, events)

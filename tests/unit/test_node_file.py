@@ -214,9 +214,9 @@ def test_node_patch(rec: Record, expect: dict[str, str | None]) -> None:
     [
         (Record("a", "Done"), "ModulesLoaded"),
         (Record("a", "Done", goal="unloaded"), "ModulesUnloaded"),
-        (Record("a", "Degraded", "LoadFailed: x"), "LoadFailed"),
-        (Record("a", "Working", "DrainRequired: y"), "DrainRequired"),
-        (Record("a", "Working", "weird reason"), "Working"),
+        (Record("a", "Degraded", "LoadFailed", "x"), "LoadFailed"),
+        (Record("a", "Working", "DrainRequired", "y"), "DrainRequired"),
+        (Record("a", "Working", detail="waiting for links: y"), "Working"),
     ],
 )
 def test_event_reason_is_stable_vocabulary(rec: Record, reason: str) -> None:

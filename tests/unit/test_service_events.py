@@ -335,7 +335,7 @@ def test_reload_waits_for_the_answer_to_its_own_request(
         # First the unrelated reconcile ends Done (new generation), then the reload's own.
         Record("e2e", state.DONE, version="1.0", generation=99).write(host)
         seq = control.reload_requested(host, "e2e")
-        Record("e2e", state.DEGRADED, "LoadFailed: x", version="2.0", generation=100).write(host)
+        Record("e2e", state.DEGRADED, "LoadFailed", "x", version="2.0", generation=100).write(host)
         control.answer_reload(host, "e2e", seq, None)
 
     def on_hup(_sig: int, _frame: Any) -> None:
@@ -357,13 +357,15 @@ def test_reload_waits_for_the_answer_to_its_own_request(
     [
         (Record("e2e", state.DONE, version="2.0"), 0, "e2e: Done (version 2.0)", ""),
         (
-            Record("e2e", state.WORKING, "DrainRequired: Drain_Required requested", version="2.0"),
+            Record(
+                "e2e", state.WORKING, "DrainRequired", "Drain_Required requested", version="2.0"
+            ),
             0,
             "e2e: Working: DrainRequired: Drain_Required requested",
             "",
         ),
         (
-            Record("e2e", state.DEGRADED, "ModuleInUse: kvcd_base is held", version="2.0"),
+            Record("e2e", state.DEGRADED, "ModuleInUse", "kvcd_base is held", version="2.0"),
             1,
             "",
             "e2e: Degraded: ModuleInUse: kvcd_base is held",
