@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.core import drain as hs
+from kvcd.core.attempts import RETRY
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import boot_id
 from kvcd.daemon.report import NodeLink
@@ -82,7 +83,7 @@ class Drain(Extension):
                     return
                 self._seen = value
             # The drain controller's answer may free the module a failed change waited for.
-            ctx.post(Event(self.name, f"{current_key}={value}", retry=True))
+            ctx.post(Event(self.name, f"{current_key}={value}", kind=RETRY))
 
         self.link.start(ctx, changed)
         self._started = True
@@ -107,7 +108,7 @@ class Drain(Extension):
         """A timer event when the claim expires (the watch brings DrainComplete earlier)."""
         self._cancel()
         delay = max(0.0, claim.since + ctx.settings.drain_timeout - self.clock()) + 1.0
-        self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "timeout", retry=True),))
+        self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "timeout", kind=RETRY),))
         self._timer.daemon = True
         self._timer.start()
 

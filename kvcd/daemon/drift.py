@@ -56,7 +56,8 @@ from typing import Any
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
-from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
+from kvcd.core.attempts import OBSERVE, RETRY
+from kvcd.daemon.events import HOLD, SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import MANIFEST, read_manifest, store_dir
 from kvcd.daemon.record import Record
 from kvcd.host import files, journal, kmod
@@ -713,8 +714,14 @@ class DriftMonitor(Extension):
             fire = self._debounce.note(str(path), self._clock())
             if not fire:
                 self._cond.notify_all()
-        if fire and self.ctx is not None:
-            self.ctx.post(Event(SOURCE, str(path)))
+        if fire:
+            self._post(str(path))
+
+    def _post(self, path: str) -> None:
+        """The force file is an admin's request to re-apply: it tries a failed change again."""
+        if self.ctx is not None:
+            forced = path == str(self.ctx.root.force_file(self.ctx.name))
+            self.ctx.post(Event(SOURCE, path, kind=RETRY if forced else OBSERVE))
 
     def on_module_event(self, event: ModuleEvent) -> None:
         """From the udev thread: a module of this instance came or went."""
@@ -729,8 +736,7 @@ class DriftMonitor(Extension):
                 timeout = None if deadline is None else max(0.0, deadline - self._clock())
                 self._cond.wait(timeout)
                 for path in self._debounce.due(self._clock()):
-                    if self.ctx is not None:
-                        self.ctx.post(Event(SOURCE, path))
+                    self._post(path)
 
     # --- checks (main thread) ----------------------------------------------------------
     def _check(self, ctx: Context) -> Check:
@@ -880,12 +886,12 @@ class DriftMonitor(Extension):
         return self._quiet(ctx, events)
 
     def _quiet(self, ctx: Context, events: list[Event]) -> Verdict | None:
-        """A reconcile caused only by this monitor's triggers (file events, the timer) that
-        found nothing wrong changes nothing: the record stays as it is. Otherwise the rollback
-        of a failed load (which rewrites the link and the indexes) would trigger a retry of
-        that same load, forever. Triggers that must reconcile: the watched config file, the
-        recovery from this monitor's own Degraded, and a module to reload."""
-        if not any(e.source == SOURCE for e in events):
+        """A cycle caused only by this monitor's triggers (file events, the timer) that found
+        nothing wrong changes nothing: kvcd's own writes (a rollback's too) echo back as file
+        events. Triggers that reconcile: the watched config file, and the recovery from this
+        monitor's own Degraded. (Whether a failed change is redone is the attempt ledger's
+        call, kvcd/core/attempts.py: file events never redo it.)"""
+        if not events or any(e.source != SOURCE for e in events):
             return None
         if self.cfg.watch_config and any(
             e.what == str(Path(os.path.abspath(self.cfg.source))) for e in events
@@ -895,14 +901,8 @@ class DriftMonitor(Extension):
         ours = (state.DRIFT, state.MODULE_REMOVED, state.MODULE_REPLACED, state.STATE_DAMAGED)
         if previous is None or previous.code in ours:
             return None
-        # Other sources' events reconcile as usual, except that file events never retry a
-        # failed change (its rollback rewrote the files: that would retry it forever); a
-        # reload, a restart or the next event of another kind does.
-        mixed = any(e.source != SOURCE for e in events)
-        if mixed and previous.state != state.DEGRADED:
-            return None
         self._held = True
-        return Verdict(HOLD, previous.state, previous.code, previous.detail)
+        return Verdict(SKIP)
 
     def _modules(self, ctx: Context, events: list[Event]) -> Verdict | None:
         """/sys/module as the truth after module events (and on every other trigger)."""

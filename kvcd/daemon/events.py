@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core.attempts import OBSERVE
 from kvcd.core.state import reason_text
 from kvcd.host.paths import HostRoot
 
@@ -40,21 +41,22 @@ log = logging.getLogger(__name__)
 
 LOAD = "load"
 UNLOAD = "unload"
-HOLD = "hold"
+HOLD = "hold"  # change nothing on the host, record the verdict's state and reason
+SKIP = "skip"  # change nothing at all: this cycle's events found nothing to act on
 
 
 @dataclass(frozen=True)
 class Event:
     source: str  # the extension (or "signal", "start") that posted it
     what: str = ""  # one short line, logged at debug level: the path, the module, the label …
-    # A change that failed for good is tried again only on an event that may have removed the
-    # cause: start, reload, or a source that says so (DrainComplete: the module is free now).
-    retry: bool = False
+    # OBSERVE: something may have changed. RETRY: an outside act may have removed a failure's
+    # cause (start, reload, DrainComplete): a change that failed is tried again at once.
+    kind: str = OBSERVE
 
 
 @dataclass(frozen=True)
 class Verdict:
-    verb: str  # LOAD | UNLOAD | HOLD
+    verb: str  # LOAD | UNLOAD | HOLD | SKIP
     state: str = ""  # for HOLD (and for `after`): Done | Working | Degraded
     code: str = ""  # written into the record: a reason code ("" for Done or a plain note)
     detail: str = ""

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import owners, state
 from kvcd.core import plan as planner
 from kvcd.core.actions import Verify
+from kvcd.core.attempts import Attempt
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
+from kvcd.daemon.events import Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, boot_id, recorded_names
@@ -122,7 +127,8 @@ class Instance:
             generation=generation,
             pid=pid,
         )
-        if previous is not None:  # the next-kernel extension's findings outlive a reconcile
+        if previous is not None:  # the ledger and the next kernel's findings outlive it
+            record.attempt = previous.attempt
             record.next_kernel = previous.next_kernel
             record.next_kernel_state = previous.next_kernel_state
             record.next_kernel_reason = previous.next_kernel_reason
@@ -130,6 +136,23 @@ class Instance:
         if changes or plan.blocked:
             self._record(record, state.WORKING, "", "")
         return plan, record
+
+    def intent(self, verdict: Verdict) -> str:
+        """A digest of what a reconcile is asked to do: the config (with the variant chosen),
+        the settings, the verdict and the kernel. The attempt ledger compares it."""
+        what = [asdict(self.cfg), asdict(self.settings), asdict(verdict), self.kernel]
+        text = json.dumps(what, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def settle(self, ledger: Attempt) -> Record | None:
+        """Record how the last attempt ended (the attempt ledger) in the record, nothing else
+        (no record yet: nothing to add it to; the daemon keeps its own copy)."""
+        with files.locked(self.root.instance_lock(self.cfg.name)):
+            record = Record.read(self.root, self.cfg.name)
+            if record is not None and record.attempt != ledger:
+                record.attempt = ledger
+                record.write(self.root)
+            return record
 
     def note(self, new_state: str, code: str, detail: str, *, pid: int | None = None) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's

@@ -57,7 +57,7 @@ from kvcd.core.plan import plan_load
 from kvcd.core.state import StepFailed
 from kvcd.daemon import kabi as daemon_kabi
 from kvcd.daemon import storegc
-from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
+from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
 from kvcd.daemon.record import Record
@@ -458,10 +458,8 @@ class NextKernel(Extension):
         self.ours_only = bool(events) and all(e.source == SOURCE for e in events)
         if self.ours_only:
             # Only the boot configuration changed: nothing about the running kernel's modules
-            # does, so keep the recorded state (no retry of a Degraded load); `after` prepares.
-            rec = Record.read(ctx.root, ctx.name)
-            if rec is not None:
-                return Verdict(HOLD, rec.state, rec.code, rec.detail)
+            # does, so change nothing (no retry of a Degraded load); `after` prepares.
+            return Verdict(SKIP)
         return None
 
     def report_boot(self, ctx: Context) -> None:

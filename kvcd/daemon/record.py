@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcd.core import names, state
+from kvcd.core.attempts import OUTCOMES, Attempt
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
@@ -71,6 +72,8 @@ class Record:
     next_kernel: str = ""
     next_kernel_state: str = ""
     next_kernel_reason: str = ""
+    # The attempt ledger (kvcd/core/attempts.py): what was last attempted and how it ended.
+    attempt: Attempt = field(default_factory=Attempt)
 
     @property
     def reason(self) -> str:
@@ -97,7 +100,13 @@ class Record:
             value = data[name]
             if not _FIELD_TYPES[str(f.type)](value):
                 raise files.Damaged(path, f"has {name!r} of the wrong type: {value!r:.40}")
-            known[name] = list(value) if name == "modules" else value
+            known[name] = (
+                list(value)
+                if name == "modules"
+                else Attempt(**value)
+                if name == "attempt"
+                else value
+            )
         return cls(**known)
 
     @classmethod
@@ -163,7 +172,19 @@ def _is_str(v: object) -> bool:
     return isinstance(v, str)
 
 
+def _is_attempt(v: object) -> bool:
+    if not isinstance(v, dict) or not set(v) <= set(Attempt.__dataclass_fields__):
+        return False
+    return (
+        all(_is_str(v.get(k, "")) for k in ("intent", "code"))
+        and v.get("outcome", "") in OUTCOMES
+        and _is_int(v.get("tries", 0))
+        and _FIELD_TYPES["float"](v.get("not_before", 0.0))
+    )
+
+
 _FIELD_TYPES: dict[str, Callable[[object], bool]] = {
+    "Attempt": _is_attempt,
     "str": _is_str,
     "str | None": _opt(_is_str),
     "int": _is_int,

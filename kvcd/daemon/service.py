@@ -1,6 +1,8 @@
 """`kvcd run NAME`: the kvcd@NAME.service main process.
 
-Start: reconcile to "loaded" (retrying transient failures with backoff), then READY=1.
+Start: reconcile to "loaded", then READY=1 (a transient failure is retried on a back-off timer
+first; the loop serves events meanwhile). Whether a cycle applies, skips or waits is decided in
+one place, from the attempt ledger in the record (kvcd/core/attempts.py).
 SIGHUP (`systemctl reload`, via `kvcd reload`): re-read the config and reconcile again.
 SIGTERM: STOPPING=1, unload unless the instance keeps its modules loaded, exit.
 Extensions (kvcd/daemon/events.py) watch the host and the node; their events wake the loop and
@@ -24,10 +26,11 @@ from types import FrameType
 
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig
-from kvcd.core import state
+from kvcd.core import attempts, state
+from kvcd.core.attempts import Attempt
 from kvcd.core.state import Backoff, StepFailed
 from kvcd.daemon import control, extensions, storegc
-from kvcd.daemon.events import HOLD, LOAD, Context, Event, Extension, Mailbox, Verdict
+from kvcd.daemon.events import HOLD, LOAD, SKIP, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
@@ -61,15 +64,16 @@ class Service:
         self._pending: set[int] = set()
         self._rsock, self._wsock = socket.socketpair()
         self._sel = selectors.DefaultSelector()
-        self._sigsel = selectors.DefaultSelector()
         self.fields = {"KVCD_INSTANCE": name, "KVCD_KERNEL": kernel}
         self._extended = float("-inf")
         self.mail = Mailbox()
         self.exts: list[Extension] = []
         self.ctx: Context | None = None
         self._timers: dict[int, float] = {}  # id(extension) -> monotonic time of its next tick
-        # The config and verdict whose apply failed permanently, not retried on mere events.
-        self._failed: tuple[InstanceConfig, Verdict] | None = None
+        # The attempt ledger (persisted in the record; this copy survives an unwritable one)
+        # and, after a transient failure, when the back-off ends (wall clock).
+        self.ledger: Attempt | None = None
+        self.retry_at: float | None = None
 
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -83,35 +87,41 @@ class Service:
             signal.signal(sig, self._on_signal)
         self._sel.register(self._rsock, selectors.EVENT_READ)
         self._sel.register(self.mail.rsock, selectors.EVENT_READ)
-        # Signals only: a backoff wait must not spin on events it leaves queued for later.
-        self._sigsel.register(self._rsock, selectors.EVENT_READ)
 
-    def _wait(self, timeout: float | None, *, events: bool = True) -> list[Event]:
-        """Sleep until a signal or (with `events`) an extension's event arrives, an extension's
-        timer is due, or `timeout` passes, keeping the watchdog fed. Returns the events."""
+    def _wait(self, timeout: float | None) -> list[Event]:
+        """Sleep until a signal or an extension's event arrives, a timer (an extension's, or the
+        end of a back-off) is due, or `timeout` passes, keeping the watchdog fed. Returns the
+        events."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.notify.watchdog_interval()
-        while not self._pending and not (events and self.mail.pending()):
+        while not self._pending and not self.mail.pending():
             now = time.monotonic()
-            if events and self._post_due_timers(now):
+            if self._post_due_timers(now):
                 break
             left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 break
-            tick = min(self._timers.values(), default=None) if events else None
+            ticks = list(self._timers.values())
+            if self.retry_at is not None:
+                ticks.append(now + self.retry_at - time.time())
+            tick = min(ticks, default=None)
             step = min(
                 x
                 for x in (left, interval, None if tick is None else tick - now, 3600.0)
                 if x is not None
             )
-            if (self._sel if events else self._sigsel).select(max(step, 0.0)):
+            if self._sel.select(max(step, 0.0)):
                 with contextlib.suppress(BlockingIOError):
                     self._rsock.recv(512)
             self.notify.watchdog()
-        return self.mail.drain() if events else []
+        return self.mail.drain()
 
     def _post_due_timers(self, now: float) -> bool:
         due = False
+        if self.retry_at is not None and self.retry_at <= time.time():
+            self.retry_at = None
+            self.mail.post(Event("backoff", "retry"))
+            due = True
         for ext in self.exts:
             at = self._timers.get(id(ext))
             if at is not None and at <= now:
@@ -270,55 +280,72 @@ class Service:
             return None
 
     def _reconcile(self, events: list[Event]) -> Record | None:
-        attempt = 0
-        while True:
-            inst = self._instance()
-            if inst is None:
-                return None
-            self._ensure_extensions(inst)
-            verdict = self._verdict(events) or Verdict(LOAD)
-            if self._failed == (inst.cfg, verdict) and not any(e.retry for e in events):
-                # The same change already failed for good: an unrelated event (a timer, a next
-                # kernel, a node watch) must not rebuild and reload it again and again. A reload,
-                # a config change, another verdict or an event that says so (retry) tries again.
-                return self._after(inst, None)
-            try:
-                with _Keepalive(self.notify):
-                    try:
-                        if verdict.verb == HOLD:
-                            record = inst.note(
-                                verdict.state, verdict.code, verdict.detail, pid=os.getpid()
-                            )
-                        else:
-                            record = inst.apply(
-                                verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
-                            )
-                        self._failed = None
-                        # After-hooks may work long too (next-kernel builds ahead): keep feeding.
-                        return self._after(inst, record)
-                    except files.Refused:
-                        raise  # not the host's refusal: someone's file where kvcd's belongs
-                    except OSError as exc:  # a full /var, a read-only /run: wait and retry
-                        raise StepFailed(
-                            state.HOST_ERROR, files.os_error(exc), transient=True
-                        ) from exc
-            except StepFailed as exc:
-                if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
-                    self.config_invalid = True
-                if not exc.transient:
-                    self._failed = (inst.cfg, verdict)
-                    self._after(inst, None)
-                    return None
-                delay = self.backoff.delay(attempt)
-                attempt += 1
+        inst = self._instance()
+        if inst is None:
+            return None
+        self._ensure_extensions(inst)
+        verdict = self._verdict(events) or Verdict(LOAD)
+        if verdict.verb == SKIP:  # an extension found nothing to change: the record stands
+            return self._after(inst, None)
+        if self.ledger is None:  # the first cycle: the ledger as the last run left it
+            recorded = Record.read(self.root, self.name)
+            self.ledger = recorded.attempt if recorded is not None else Attempt()
+        last = self.ledger
+        intent = inst.intent(verdict)
+        kind = attempts.RETRY if any(e.kind == attempts.RETRY for e in events) else attempts.OBSERVE
+        decision = attempts.decide(last, intent, kind, time.time())
+        if decision.what != attempts.APPLY:
+            # The same change already failed: an unrelated event (a timer, a next kernel, a
+            # node watch, the rollback's own file events) does not redo it; a reload, a config
+            # change, another verdict or an event that may have removed the cause does, and a
+            # transient failure's back-off timer does when it ends.
+            if decision.what == attempts.WAIT:
+                self.retry_at = decision.at
+            return self._after(inst, None)
+        self.retry_at = None  # this is the try (a failure arms the timer again)
+        try:
+            with _Keepalive(self.notify):
+                try:
+                    if verdict.verb == HOLD:
+                        record = inst.note(
+                            verdict.state, verdict.code, verdict.detail, pid=os.getpid()
+                        )
+                    else:
+                        record = inst.apply(
+                            verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
+                        )
+                    record = self._settle(inst, attempts.succeeded(intent)) or record
+                    # After-hooks may work long too (next-kernel builds ahead): keep feeding.
+                    return self._after(inst, record)
+                except files.Refused:
+                    raise  # not the host's refusal: someone's file where kvcd's belongs
+                except OSError as exc:  # a full /var, a read-only /run: wait and retry
+                    raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
+        except StepFailed as exc:
+            if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
+                self.config_invalid = True
+            now = time.time()
+            ledger = attempts.failed(
+                last, intent, exc.code, transient=exc.transient, now=now, backoff=self.backoff
+            )
+            with contextlib.suppress(OSError):  # the record may be what cannot be written
+                self._settle(inst, ledger)
+            self.ledger = ledger
+            if exc.transient:
+                self.retry_at = ledger.not_before
+                delay = ledger.not_before - now
                 log.warning("%s; retrying in %.0fs", exc, delay, extra=self.fields)
                 self.notify.status(f"{exc}; retrying in {delay:.0f}s")
-                with contextlib.suppress(OSError):  # the record may be what cannot be written
-                    self._after(inst, None)
-                self._wait(delay, events=False)
-                if self._pending & {signal.SIGTERM, signal.SIGINT}:
-                    return None
-                self._take(signal.SIGHUP)  # a reload during backoff is this retry
+            with contextlib.suppress(OSError):
+                self._after(inst, None)
+            return None
+
+    def _settle(self, inst: Instance, ledger: Attempt) -> Record | None:
+        """Record how the attempt ended (only when that changes the ledger)."""
+        if ledger == self.ledger:
+            return None
+        self.ledger = ledger
+        return inst.settle(ledger)
 
     def stop(self) -> int:
         self.notify.stopping()
@@ -345,33 +372,37 @@ class Service:
                 storegc.collect_unconfigured(self.root, self.kernel, self.fields)
             except (kmod.KmodError, OSError) as exc:  # the reconcile says what is wrong
                 log.warning("module root clean-up failed: %s", exc, extra=self.fields)
-            record = self.reconcile([Event("start", retry=True)])
-            if record is None:
-                if self._take(signal.SIGTERM, signal.SIGINT):
-                    return self.stop()
-                # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.
-                return 2 if self.config_invalid else 1
-            ready = self._announce(record, ready=False)
+            record = self.reconcile([Event("start", kind=attempts.RETRY)])
+            started = ready = False  # READY=1 sent at all / since the last reload
             while True:
-                events = self._wait(None)
-                if self._take(signal.SIGTERM, signal.SIGINT):
-                    return self.stop()
-                reload_seq = None
-                if self._take(signal.SIGHUP):
-                    self.notify.reloading()
-                    # Read before reconciling: every request up to here is answered by it.
-                    reload_seq = control.reload_requested(self.root, self.name)
-                    failpoint.hit("reload")
-                    events.append(Event("signal", "reload", retry=True))
-                    ready = False
-                if events:
-                    for ev in events:
-                        log.debug("event %s: %s", ev.source, ev.what, extra=self.fields)
-                    record = self.reconcile(events)
-                    if reload_seq is not None:
-                        control.answer_reload(self.root, self.name, reload_seq, record)
+                if not started and record is None and self.retry_at is None:
+                    # Failed for good before READY=1 (at once, or after transient tries).
+                    if self._take(signal.SIGTERM, signal.SIGINT):
+                        return self.stop()
+                    # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.
+                    return 2 if self.config_invalid else 1
+                if started or record is not None:  # not while the first start backs off
                     ready = self._announce(record, ready)
-                    self._arm_timers()
+                    started = started or ready
+                events: list[Event] = []
+                reload_seq = None
+                while not events:
+                    events = self._wait(None)
+                    if self._take(signal.SIGTERM, signal.SIGINT):
+                        return self.stop()
+                    if self._take(signal.SIGHUP):
+                        self.notify.reloading()
+                        # Read before reconciling: every request up to here is answered by it.
+                        reload_seq = control.reload_requested(self.root, self.name)
+                        failpoint.hit("reload")
+                        events.append(Event("signal", "reload", kind=attempts.RETRY))
+                        ready = False
+                for ev in events:
+                    log.debug("event %s: %s", ev.source, ev.what, extra=self.fields)
+                record = self.reconcile(events)
+                if reload_seq is not None:
+                    control.answer_reload(self.root, self.name, reload_seq, record)
+                self._arm_timers()
         finally:
             signal.set_wakeup_fd(-1)
             self.stop_extensions()
@@ -386,9 +417,12 @@ class Service:
             except OSError:
                 recorded = None
             if recorded is not None and recorded.state == state.DEGRADED and recorded.reason:
-                text = f"{state.DEGRADED}: {recorded.reason}"[:200]
+                text = f"{state.DEGRADED}: {recorded.reason}"
             else:
                 text = "Degraded; see kvcd status"
+            if self.retry_at is not None:  # a transient failure: say when it is tried again
+                text = f"{text[:160]}; retrying in {max(0.0, self.retry_at - time.time()):.0f}s"
+            text = text[:200]
         elif record.state == state.DONE:
             text = f"Done: {self.name} " + (record.reason or record.goal)
         else:

@@ -6,12 +6,13 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 from __future__ import annotations
 
 import importlib
+import time
 from pathlib import Path
 from typing import Any
 
 from kvcd.config.loader import list_instances, load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
-from kvcd.core import state
+from kvcd.core import attempts, state
 from kvcd.daemon.control import daemon_pid
 from kvcd.daemon.record import Record, boot_id, recorded_names
 from kvcd.host import files, kmod, pylibs
@@ -213,6 +214,18 @@ def failed(entries: list[dict[str, Any]]) -> bool:
     return any(e.get("unreadable") for e in entries)
 
 
+def render_attempt(attempt: dict[str, Any]) -> str:
+    """The attempt ledger, when the last try failed: the one answer to "why no retry?"."""
+    outcome, tries = attempt.get("outcome"), attempt.get("tries", 0)
+    what = f"{attempt.get('code') or 'failed'}, {tries} {'try' if tries == 1 else 'tries'}"
+    if outcome == attempts.PERMANENT:
+        return f"last attempt: {what}; tried again on reload, restart or a config change"
+    if outcome == attempts.TRANSIENT:
+        at = time.strftime("%H:%M:%S", time.localtime(attempt.get("not_before", 0)))
+        return f"last attempt: {what}; next try at {at}"
+    return ""
+
+
 def render(entries: list[dict[str, Any]]) -> str:
     if not entries:
         return "no instances configured"
@@ -228,6 +241,9 @@ def render(entries: list[dict[str, Any]]) -> str:
         lines.append(head)
         if e.get("reason"):
             lines.append(f"  reason: {e['reason']}")
+        attempt = render_attempt(e.get("attempt") or {})
+        if attempt:
+            lines.append(f"  {attempt}")
         if e.get("next_kernel"):  # the kernel that boots next (kvcd/daemon/nextkernel.py)
             nk = f"  next kernel {e['next_kernel']}: {e.get('next_kernel_state') or 'unknown'}"
             if e.get("next_kernel_reason"):

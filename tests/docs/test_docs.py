@@ -47,6 +47,10 @@ PAYLOAD_FILES = [
 # Blocks that show output or are not for pasting: (file name, first line of the block).
 OUTPUT_BLOCKS = {
     ("README.md", "drift: watching 12 files"),
+    (
+        "README.md",
+        "last attempt: LoadFailed, 1 try; tried again on reload, restart or a config change",
+    ),
 }
 # Placeholders the docs use, and what stands for them when a line is parsed.
 PLACEHOLDERS = {"<name>": "foo", "<driver>": "foo", "NAME": "foo", "<version>": "1.0"}
@@ -375,3 +379,18 @@ def test_the_checks_catch_a_drifted_doc(kind: str, text: str, fragment: str) -> 
     with pytest.raises((pytest.fail.Exception, AssertionError)) as err:
         test_every_block_is_what_kvcd_accepts(block)
     assert fragment in str(err.value)
+
+
+def test_the_attempt_lines_are_what_status_prints() -> None:
+    """README's `last attempt:` lines, rendered by kvcd status from the ledger they describe."""
+    import time
+
+    from kvcd.daemon.status import render_attempt
+
+    readme = (REPO / "README.md").read_text()
+    at = time.mktime(time.strptime("2026-11-25 18:22:05", "%Y-%m-%d %H:%M:%S"))
+    for ledger in (
+        {"outcome": "permanent", "code": "LoadFailed", "tries": 1},
+        {"outcome": "transient", "code": "PodmanUnavailable", "tries": 3, "not_before": at},
+    ):
+        assert f"\n  {render_attempt(ledger)}\n" in readme

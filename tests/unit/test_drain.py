@@ -12,6 +12,7 @@ import pytest
 
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.core import drain as hs
+from kvcd.core.attempts import RETRY
 from kvcd.daemon import extensions
 from kvcd.daemon.drain import Drain
 from kvcd.daemon.events import HOLD, Context, Event
@@ -213,12 +214,12 @@ def service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_blocked_change_drains_then_applies_then_idles(host: HostRoot, service: Any) -> None:
     svc = service()
-    assert svc.reconcile([Event("start", retry=True)]).state == "Done"
+    assert svc.reconcile([Event("start", kind=RETRY)]).state == "Done"
     hold(host, "kvcd_user", "foo")
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
 
     # The swap is blocked (foo holds kvcd_user): the node is asked to drain.
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == "Working"
     assert rec.reason.startswith("DrainRequired: Drain_Required requested")
@@ -230,20 +231,20 @@ def test_blocked_change_drains_then_applies_then_idles(host: HostRoot, service: 
 
     # The controller is draining: kvcd holds, changes nothing.
     controller(host, "Draining")
-    rec = svc.reconcile([Event("drain", "Draining", retry=True)])
+    rec = svc.reconcile([Event("drain", "Draining", kind=RETRY)])
     assert rec is not None and rec.state == "Working" and "now Draining" in rec.reason
     assert (host.sys_module / "kvcd_user" / "holders" / "foo").is_dir()
 
     # Restart in the middle: a new process re-derives "waiting" from the node.
     svc.stop_extensions()
     svc = service()
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == "Working" and rec.reason.startswith("DrainRequired")
 
     # Drain complete (the workload is gone): apply the swap, withdraw, node back to Idle.
     release(host, "kvcd_user", "foo")
     controller(host, "DrainComplete")
-    rec = svc.reconcile([Event("drain", "DrainComplete", retry=True)])
+    rec = svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
     assert rec is not None and (rec.state, rec.version) == ("Done", "2.0")
     a = ann(host)
     assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
@@ -252,12 +253,12 @@ def test_blocked_change_drains_then_applies_then_idles(host: HostRoot, service: 
 
 def test_still_held_after_drain_is_degraded_and_withdrawn(host: HostRoot, service: Any) -> None:
     svc = service()
-    svc.reconcile([Event("start", retry=True)])
+    svc.reconcile([Event("start", kind=RETRY)])
     hold(host, "kvcd_user", "foo")
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     controller(host, "DrainComplete")
-    svc.reconcile([Event("drain", "DrainComplete", retry=True)])
+    svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == "Degraded"
     assert rec.reason.startswith("ModuleInUse: still in use after the drain completed")
@@ -267,12 +268,12 @@ def test_still_held_after_drain_is_degraded_and_withdrawn(host: HostRoot, servic
 
 def test_no_answer_times_out_degraded_and_withdraws(host: HostRoot, service: Any) -> None:
     svc = service()
-    svc.reconcile([Event("start", retry=True)])
+    svc.reconcile([Event("start", kind=RETRY)])
     hold(host, "kvcd_user", "foo")
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     service.clock.now = T0 + 601
-    svc.reconcile([Event("drain", "timeout", retry=True)])
+    svc.reconcile([Event("drain", "timeout", kind=RETRY)])
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == "Degraded"
     assert rec.reason.startswith("DrainTimeout: no DrainComplete within 600s")
@@ -316,7 +317,7 @@ def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: 
     FileBackend(host, "n1").edit(
         annotations=lambda _v: {"kvcd.io/e2e.drain": old, "kvcd.io/drain": "Reboot_Required"}
     )
-    rec = service().reconcile([Event("start", retry=True)])
+    rec = service().reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == "Done"
     assert ann(host)["kvcd.io/drain"] == "Idle"
 
@@ -324,7 +325,7 @@ def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: 
 def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
     fakehost.write_config(host, "e2e", CONFIG.format(v="1.0", mode="none"))
     svc = service()
-    svc.reconcile([Event("start", retry=True)])
+    svc.reconcile([Event("start", kind=RETRY)])
     hold(host, "kvcd_user", "foo")
     # A process with the module's device node open: /dev/null stands in for it (no mknod).
     rdev = os.stat("/dev/null").st_rdev
@@ -336,7 +337,7 @@ def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
     (fd.parent / "comm").write_text("holder-app\n")
     (fd / "3").symlink_to("/dev/null")
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="none"))
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == "Degraded"
     assert rec.reason.startswith("ModuleInUse: cannot replace the loaded version")
@@ -350,13 +351,13 @@ def test_switching_to_drain_none_withdraws_the_claim(host: HostRoot, service: An
     """Mid-handshake, the admin sets drain = "none" and reloads: no controller answer will be
     acted on for this instance any more, so its claim goes and the node goes back to Idle."""
     svc = service()
-    svc.reconcile([Event("start", retry=True)])
+    svc.reconcile([Event("start", kind=RETRY)])
     hold(host, "kvcd_user", "foo")
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     assert ann(host)["kvcd.io/drain"] == "Drain_Required"
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="none"))
-    svc.reconcile([Event("signal", "reload", retry=True)])  # refused for good: None
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])  # refused for good: None
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == "Degraded" and rec.reason.startswith("ModuleInUse")
     a = ann(host)

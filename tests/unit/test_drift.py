@@ -30,9 +30,10 @@ from kvcd.config.loader import (
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
+from kvcd.core.attempts import OBSERVE, RETRY
 from kvcd.core.state import StepFailed
 from kvcd.daemon import drift, extensions, status
-from kvcd.daemon.events import HOLD, Context, Event
+from kvcd.daemon.events import HOLD, SKIP, Context, Event
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
@@ -306,20 +307,10 @@ class Rig:
         return self.root.store(NAME) / "1.0" / K
 
     def verdict(self, *events: Event) -> Any:
-        """The verdict, with a clean check's "keep the record as it is" hold reported as None
-        (a file event alone that finds nothing wrong changes nothing)."""
+        """The verdict, with a clean check's "change nothing" (SKIP) reported as None (a file
+        event alone that finds nothing wrong changes nothing)."""
         v = self.mon.verdict(self.ctx, list(events) or [Event(drift.SOURCE, "test")])
-        if (
-            v is not None
-            and v.verb == HOLD
-            and (v.state, v.reason)
-            == (
-                self.record.state,
-                self.record.reason,
-            )
-        ):
-            return None
-        return v
+        return None if v is not None and v.verb == SKIP else v
 
 
 def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -650,6 +641,16 @@ def test_drift_holds_then_recovers_to_done_without_a_command(
     rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
     assert rec is not None and (rec.state, rec.reason) == (state.DONE, "")
     svc.stop_extensions()
+
+
+def test_the_force_file_event_tries_a_failed_change_again(host: HostRoot) -> None:
+    """The force file's event is a RETRY (an admin asks to re-apply: the attempt ledger redoes
+    a failed change); every other file event is an OBSERVE."""
+    r = Rig(host)
+    r.posted.clear()
+    r.mon._post(str(host.force_file(NAME)))
+    r.mon._post(str(r.tree / "kvcd_base.ko"))
+    assert [e.kind for e in r.posted] == [RETRY, OBSERVE]
 
 
 def test_force_file_is_consumed_once_and_reapplies(
@@ -1175,7 +1176,7 @@ def test_a_damaged_instance_record_is_set_aside_and_rebuilt_from_the_host(
     assert svc.reconcile([Event("start")]) is not None
     host.state_file(NAME).write_bytes(b'{"instance": "e2e", "state": "Do')
     caplog.set_level(logging.ERROR)
-    rec = svc.reconcile([Event("signal", "reload", retry=True)])
+    rec = svc.reconcile([Event("signal", "reload", kind=RETRY)])
     assert rec is not None and (rec.state, rec.reason) == (state.DONE, "")
     (aside,) = host.state_file(NAME).parent.glob(f"{NAME}.json.damaged-*")
     assert aside.read_bytes() == b'{"instance": "e2e", "state": "Do'

@@ -18,6 +18,7 @@ import pytest
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import InstanceConfig, LinkSpec, Settings
 from kvcd.core import state
+from kvcd.core.attempts import RETRY
 from kvcd.core.capabilities import LinkView
 from kvcd.core.state import StepFailed
 from kvcd.daemon import extensions, links
@@ -132,7 +133,7 @@ def test_device_verdict(
     gate = DeviceGate(watch=FakeDeviceWatch())
     ctx = context(host, cfg)
     gate.start(ctx)
-    assert gate.verdict(ctx, [Event("start", retry=True)]) == expected
+    assert gate.verdict(ctx, [Event("start", kind=RETRY)]) == expected
 
 
 def test_watch_posts_only_matching_device_events(host: HostRoot) -> None:
@@ -174,7 +175,7 @@ def test_hotplug_sequence_in_the_run_loop(host: HostRoot, monkeypatch: pytest.Mo
     watch = FakeDeviceWatch()
     use(monkeypatch, DeviceGate(watch=watch))
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and (rec.state, rec.reason) == (state.DONE, NO_DEVICE)
     assert loaded(host) == []
     assert collect(host, "e2e")[0]["warnings"] == []  # idle on purpose, not "not loaded now"
@@ -367,7 +368,7 @@ def test_links_sequence_in_the_run_loop(host: HostRoot, monkeypatch: pytest.Monk
     use(monkeypatch, ext)
     n = fakehost.RecordingNotifier()
     svc = Service(host, "e2e", K, n)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and (rec.state, rec.reason) == (state.WORKING, WAITING.reason)
     assert loaded(host) == MODS
     assert svc._announce(rec, ready=False) is False
@@ -450,7 +451,7 @@ def test_no_fitting_variant_degrades_with_the_reasons(
     # In the daemon the gate holds the reconcile as Degraded, nothing loaded.
     use(monkeypatch, VariantGate())
     svc = Service(host, "e2e", k64, fakehost.RecordingNotifier())
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason.startswith("NoVariant: no image variant fits this node: generic (")
     assert loaded(host) == []

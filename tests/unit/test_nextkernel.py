@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
+from kvcd.core.attempts import RETRY
 from kvcd.daemon import drift, nextkernel, status, storegc
-from kvcd.daemon.events import Context, Event
+from kvcd.daemon.events import SKIP, Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
 from kvcd.daemon.record import Record
@@ -269,14 +270,14 @@ def test_extension_prepares_on_start_and_on_watch_events(
     # Start: no detection, no build inside the start's reconcile (READY=1 would wait); a cycle
     # of its own is requested instead.
     rec = record(host)
-    assert cycle([Event("start", retry=True)]) is None
+    assert cycle([Event("start", kind=RETRY)]) is None
     assert asked == [] and posted == [Event("next-kernel", "look for the next kernel")]
     # Another extension's event before that: no second request.
     cycle([Event("drift", "timer")])
     assert len(posted) == 1
-    # The requested cycle: the instance is held as it is; nothing known yet.
-    hold = cycle(posted[:])
-    assert hold is not None and (hold.verb, hold.state) == ("hold", "Done")
+    # The requested cycle: the instance is left as it is (SKIP); nothing known yet.
+    skip = cycle(posted[:])
+    assert skip is not None and skip.verb == SKIP
     assert len(asked) == 1 and (rec.next_kernel, rec.next_kernel_state) == ("", "")
     # A reconcile without an event of ours does not look again.
     cycle([Event("drift", "timer")])
@@ -365,7 +366,7 @@ def test_first_start_on_the_prepared_kernel_says_no_build(
     ext = NextKernel(Settings(), detector=lambda _r: next_boot(host, B))
     ctx, _ = context(host, config(host), kernel=B)
     caplog.set_level(logging.INFO, logger="kvcd.daemon.nextkernel")
-    ext.verdict(ctx, [Event("start", retry=True)])
+    ext.verdict(ctx, [Event("start", kind=RETRY)])
     said = [r for r in caplog.records if "prepared before the reboot" in r.getMessage()]
     if says is None:
         assert said == []
@@ -393,17 +394,17 @@ def test_outcome_none_is_empty() -> None:
 
 VERDICT_ROWS = [
     # (case, events, verdict)
-    ("only-ours", [Event("next-kernel", "/boot/loader/entries/x.conf")], ("hold", "Degraded")),
+    ("only-ours", [Event("next-kernel", "/boot/loader/entries/x.conf")], SKIP),
     ("ours-and-udev", [Event("next-kernel", "/boot"), Event("udev", "add")], None),
-    ("start", [Event("start", retry=True)], None),
-    ("reload", [Event("signal", "reload", retry=True)], None),
+    ("start", [Event("start", kind=RETRY)], None),
+    ("reload", [Event("signal", "reload", kind=RETRY)], None),
     ("none", [], None),
 ]
 
 
 @pytest.mark.parametrize(("case", "events", "want"), VERDICT_ROWS, ids=[r[0] for r in VERDICT_ROWS])
 def test_boot_configuration_events_do_not_redo_the_instance(
-    host: HostRoot, case: str, events: list[Event], want: tuple[str, str] | None
+    host: HostRoot, case: str, events: list[Event], want: str | None
 ) -> None:
     """A kernel install must not retry a Degraded load: our events alone hold the state."""
     Record(instance=NAME, state="Degraded", code="LoadFailed", detail="x", kernel=A).write(host)
@@ -413,7 +414,7 @@ def test_boot_configuration_events_do_not_redo_the_instance(
     if want is None:
         assert got is None
     else:
-        assert got is not None and (got.verb, got.state, got.reason) == (*want, "LoadFailed: x")
+        assert got is not None and got.verb == want
 
 
 RELEVANT_ROWS = [
@@ -507,7 +508,7 @@ def test_request_is_not_lost_or_repeated_while_another_extension_holds(host: Hos
     ext = NextKernel(Settings(), detector=lambda _r: asked.append(1) or NONE_BOOT)  # type: ignore[func-returns-value]
     ctx, posted = context(host, config(host))
     rec = record(host)
-    ext.verdict(ctx, [Event("start", retry=True)])
+    ext.verdict(ctx, [Event("start", kind=RETRY)])
     ext.after(ctx, rec)
     assert len(posted) == 1
     for _ in range(5):  # drift holds: our request is eaten, verdict never reaches us

@@ -8,10 +8,12 @@ sd_notify socket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,10 @@ import pytest
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
+from kvcd.core.attempts import RETRY
 from kvcd.core.state import Backoff, StepFailed
 from kvcd.daemon import extensions
-from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
+from kvcd.daemon.events import HOLD, LOAD, SKIP, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
 from kvcd.host.paths import HostRoot
@@ -138,7 +141,7 @@ def test_first_verdict_decides_the_start(
     ext = Scripted([verdict])
     use(monkeypatch, ext)
     svc, n = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None
     assert loaded(host) == mods
     saved = Record.read(host, "e2e")
@@ -157,7 +160,7 @@ def test_working_amendment_withholds_ready_until_settled(
     ext = Scripted(amends=[Verdict(LOAD, state.WORKING, "waiting for links: eth9")])
     use(monkeypatch, ext)
     svc, n = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and (rec.state, rec.reason) == (
         state.WORKING,
         "waiting for links: eth9",
@@ -200,7 +203,7 @@ def test_events_from_threads_wake_the_loop_and_batch(
     svc, n = service(host)
     assert svc.run() == 0
     start, batch = ext.seen
-    assert start == [Event("start", retry=True)]
+    assert start == [Event("start", kind=RETRY)]
     assert sorted(e.what for e in batch if e.source == "poster") == [
         "change 0",
         "change 1",
@@ -236,11 +239,11 @@ def test_reload_with_a_changed_config_rebuilds_the_extensions(
 
     monkeypatch.setattr(extensions, "build", build)
     svc, _ = service(host)
-    svc.reconcile([Event("start", retry=True)])
-    svc.reconcile([Event("signal", "reload", retry=True)])  # same config: same set
+    svc.reconcile([Event("start", kind=RETRY)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])  # same config: same set
     assert len(built) == 1
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
-    svc.reconcile([Event("signal", "reload", retry=True)])
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
     assert len(built) == 2
     assert (built[0].stopped, built[1].started) == (1, 1)
     assert built[1].ctx is not None and built[1].ctx.cfg.version == "2.0"
@@ -259,7 +262,7 @@ def test_an_extension_that_fails_to_start_is_left_out(
     ok = Scripted()
     use(monkeypatch, Broken(), ok)
     svc, _ = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == state.DONE
     assert [e.name for e in svc.exts] == ["scripted"]
     svc.stop_extensions()
@@ -274,47 +277,81 @@ def test_a_permanent_failure_is_retried_on_reload_not_on_every_event(
 ) -> None:
     use(monkeypatch, Scripted())
     svc, _ = service(host)
-    assert svc.reconcile([Event("start", retry=True)]) is not None
+    assert svc.reconcile([Event("start", kind=RETRY)]) is not None
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
     (host.root / "fail-load").write_text("kvcd_user\n")
     assert (
-        svc.reconcile([Event("signal", "reload", retry=True)]) is None
+        svc.reconcile([Event("signal", "reload", kind=RETRY)]) is None
     )  # rolled back to 1.0, Degraded
     tried = len(modprobes(fake_commands))
     rec = svc.reconcile([Event("scripted", "timer"), Event("node", "annotation changed")])
     assert rec is not None and rec.state == state.DEGRADED
     assert len(modprobes(fake_commands)) == tried  # nothing re-applied
     (host.root / "fail-load").unlink()
-    rec = svc.reconcile([Event("signal", "reload", retry=True)])
+    rec = svc.reconcile([Event("signal", "reload", kind=RETRY)])
     assert rec is not None and rec.state == state.DONE and rec.version == "2.0"
     svc.stop_extensions()
 
 
-def test_a_backoff_wait_leaves_events_queued_without_spinning(
+def test_the_ledger_outlives_a_restart_and_status_shows_it(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, fake_commands: Any
+) -> None:
+    """A failure for good is in the record's ledger: a new daemon (a restart) does not redo it on
+    a mere event either, `kvcd status` says so, and a start or reload tries again."""
+    from kvcd.daemon import status
+
+    use(monkeypatch, Scripted())
+    svc, _ = service(host)
+    assert svc.reconcile([Event("start", kind=RETRY)]) is not None
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    (host.root / "fail-load").write_text("kvcd_user\n")
+    assert svc.reconcile([Event("signal", "reload", kind=RETRY)]) is None
+    svc.stop_extensions()
+    rec = Record.load(host, "e2e")
+    assert rec is not None and (rec.attempt.outcome, rec.attempt.code) == (
+        "permanent",
+        state.LOAD_FAILED,
+    )
+    assert "last attempt: LoadFailed, 1 try; tried again on reload" in status.render(
+        status.collect(host, "e2e")
+    )
+    again, _ = service(host)  # the daemon restarted
+    tried = len(modprobes(fake_commands))
+    again.reconcile([Event("scripted", "timer")])
+    assert len(modprobes(fake_commands)) == tried  # nothing re-applied
+    (host.root / "fail-load").unlink()
+    rec = again.reconcile([Event("signal", "reload", kind=RETRY)])
+    assert rec is not None and rec.state == state.DONE and rec.attempt.outcome == "ok"
+    assert "last attempt" not in status.render(status.collect(host, "e2e"))
+    again.stop_extensions()
+
+
+def test_a_backoff_is_a_loop_timer_that_serves_events_meanwhile(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """During a back-off the loop still hands over events at once (drift keeps watching); with
+    none, it sleeps until the back-off ends (one select, no spin) and posts the retry."""
     use(monkeypatch)
     svc, _ = service(host)
     svc._install()
     try:
-        svc.mail.post(Event("drift", "/x"))
         calls = 0
+        real = svc._sel.select
 
-        def counted(sel: Any) -> None:
-            real = sel.select
+        def counting(timeout: float | None = None) -> Any:
+            nonlocal calls
+            calls += 1
+            return real(timeout)
 
-            def counting(timeout: float | None = None) -> Any:
-                nonlocal calls
-                calls += 1
-                return real(timeout)
-
-            monkeypatch.setattr(sel, "select", counting)
-
-        counted(svc._sel)
-        counted(svc._sigsel)
-        assert svc._wait(0.3, events=False) == []
+        monkeypatch.setattr(svc._sel, "select", counting)
+        svc.retry_at = time.time() + 0.3
+        svc.mail.post(Event("drift", "/x"))
+        assert svc._wait(None) == [Event("drift", "/x")]
+        assert svc.retry_at is not None  # still backing off
+        calls = 0
+        assert svc._wait(None) == [Event("backoff", "retry")]
         assert calls <= 2  # one sleep (plus one for a rounding remainder), not a spin
-        assert svc.mail.drain() == [Event("drift", "/x")]
+        assert svc.retry_at is None
     finally:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
@@ -410,7 +447,7 @@ def test_module_tree_system_installs_into_lib_modules(
     use(monkeypatch)
     fakehost.write(host.main_config, 'module_tree = "system"\n')
     svc, _n = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == state.DONE
     copy = host.system_modules(K) / "extra" / "e2e"
     assert (copy / ".kvcd-store").is_file() and not copy.is_symlink()
@@ -418,7 +455,7 @@ def test_module_tree_system_installs_into_lib_modules(
     # A reload that switches back only says when it takes effect; the tree stays.
     fakehost.write(host.main_config, 'module_tree = "kvcd"\n')
     caplog.set_level(logging.WARNING)
-    assert svc.reconcile([Event("signal", retry=True)]) is not None
+    assert svc.reconcile([Event("signal", kind=RETRY)]) is not None
     assert svc.root.system_tree
     assert (
         "module_tree = 'kvcd' in" in caplog.text
@@ -430,7 +467,7 @@ def test_module_tree_system_is_refused_on_rpm_ostree(host: HostRoot) -> None:
     fakehost.write(host.main_config, 'module_tree = "system"\n')
     fakehost.write(host("/run/ostree-booted"), "")
     svc, _n = service(host)
-    assert svc.reconcile([Event("start", retry=True)]) is None
+    assert svc.reconcile([Event("start", kind=RETRY)]) is None
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason.startswith(f'ConfigInvalid: {host.main_config}: module_tree = "system"')
@@ -449,7 +486,7 @@ def test_a_verdict_that_cannot_be_reached_holds_degraded(
 ) -> None:
     use(monkeypatch, Unreadable([]))
     svc, _n = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == state.DEGRADED
     assert rec.reason == "InstallFailed: /lib/modules/k/extra/e2e was not installed by kvcd"
     assert not (host.sys_module / "kvcd_base").exists()  # held: nothing loaded
@@ -458,11 +495,11 @@ def test_a_verdict_that_cannot_be_reached_holds_degraded(
 def test_a_reload_with_a_bad_config_says_the_reason_in_status(host: HostRoot) -> None:
     """`systemctl status` shows the reason a reload failed, not only that it did."""
     svc, n = service(host)
-    rec = svc.reconcile([Event("start", retry=True)])
+    rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and svc._announce(rec, ready=False)
     cfg = host("/etc/kvcd/instances/e2e.toml")
     cfg.write_text("no_such_key = 1\n" + cfg.read_text())
-    assert svc.reconcile([Event("signal", "reload", retry=True)]) is None
+    assert svc.reconcile([Event("signal", "reload", kind=RETRY)]) is None
     svc._announce(None, ready=True)
     (status,) = [s for s in n.sent[-1:] if s.startswith("STATUS=")]
     assert status.startswith(f"STATUS=Degraded: ConfigInvalid: {cfg}"), status
@@ -478,7 +515,7 @@ def test_a_start_that_claims_another_instances_module_exits_2_and_touches_nothin
     Record(instance="a", state=state.DONE, goal="loaded", modules=["kvcd_base"]).write(host)
     svc, n = service(host)
     before = len(fake_commands.calls())
-    assert svc.reconcile([Event("start", retry=True)]) is None
+    assert svc.reconcile([Event("start", kind=RETRY)]) is None
     assert svc.config_invalid, "ModuleOwned must end kvcd run with exit status 2"
     assert len(fake_commands.calls()) == before
     rec = Record.read(host, "e2e")
@@ -511,12 +548,54 @@ def test_a_full_disk_is_retried_with_backoff_not_a_crash(
     svc = Service(host, "e2e", K, n, backoff=Backoff(first=0.01, cap=0.01))
     svc._install()
     try:
-        rec = svc.reconcile([Event("start", retry=True)])
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        tries = 1
+        while rec is None:  # the loop: the back-off timer's event is the next try
+            assert svc.retry_at is not None and svc.ledger is not None
+            assert svc.ledger.tries == tries and svc.ledger.code == state.HOST_ERROR
+            assert svc._wait(None) == [Event("backoff", "retry")]
+            rec = svc.reconcile([Event("backoff", "retry")])
+            tries += 1
     finally:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-    assert rec is not None and rec.state == state.DONE
+    assert rec is not None and rec.state == state.DONE and tries == 3
+    assert rec.attempt.outcome == "ok" and svc.retry_at is None
+
+
+def test_events_during_a_backoff_neither_retry_early_nor_lose_the_timer(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient failure: mere events wait for the back-off (nothing applied), an extension's
+    SKIP leaves it armed, and its end applies again."""
+    import errno
+
+    real = Record.write
+    failing = {"on": True}
+
+    def write(self: Record, root: HostRoot) -> None:
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
+        real(self, root)
+
+    ext = Scripted(verdicts=[None, None, Verdict(SKIP), None])
+    use(monkeypatch, ext)
+    monkeypatch.setattr(Record, "write", write)
+    n = fakehost.RecordingNotifier()
+    svc = Service(host, "e2e", K, n, backoff=Backoff(first=30.0, cap=30.0))
+    assert svc.reconcile([Event("start", kind=RETRY)]) is None
+    armed = svc.retry_at
+    assert armed is not None and svc.ledger is not None and svc.ledger.tries == 1
+    assert svc.reconcile([Event("scripted", "udev")]) is None  # waits: not a try
+    assert svc.ledger.tries == 1 and svc.retry_at == armed
+    assert svc.reconcile([Event("scripted", "file")]) is None  # SKIP: the timer stays
+    assert svc.retry_at == armed
+    failing["on"] = False
+    svc.ledger = dataclasses.replace(svc.ledger, not_before=0.0)  # the back-off has ended
+    rec = svc.reconcile([Event("backoff", "retry")])
+    assert rec is not None and rec.state == state.DONE and svc.retry_at is None
+    svc.stop_extensions()
     said = [s for s in n.sent if s.startswith("STATUS=HostError:")]
     assert said and f"{host.state_file('e2e')}: No space left on device" in said[0], n.sent
     svc.stop_extensions()

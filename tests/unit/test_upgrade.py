@@ -11,6 +11,7 @@ import pytest
 
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.core import upgrade as up
+from kvcd.core.attempts import RETRY
 from kvcd.daemon import extensions
 from kvcd.daemon.drain import Drain
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event
@@ -173,7 +174,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
     node = FileBackend(host, "n1")
     try:
         # No label: nothing loaded, Done (unloaded), reported.
-        rec = svc.reconcile([Event("start", retry=True)])
+        rec = svc.reconcile([Event("start", kind=RETRY)])
         assert rec is not None and (rec.state, rec.goal) == ("Done", "unloaded")
         assert loaded(host) == []
         ann = node.read().annotations
@@ -192,7 +193,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
 
         # Config moves to 2.0 first (KMM step 2): 1.0 stays loaded while the label says 1.0.
         fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
-        rec = svc.reconcile([Event("signal", "reload", retry=True)])
+        rec = svc.reconcile([Event("signal", "reload", kind=RETRY)])
         assert rec is not None and rec.reason.startswith("UpgradePending")
         assert (host.sys_module / "kvcd_user").is_dir()
         assert node.read().annotations["kvcd.io/e2e.ready"] == "1.0"
@@ -207,7 +208,7 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         svc.stop_extensions()
         label(host, None)
         svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
-        rec = svc.reconcile([Event("start", retry=True)])
+        rec = svc.reconcile([Event("start", kind=RETRY)])
         assert rec is not None and rec.goal == "unloaded" and loaded(host) == []
         assert "kvcd.io/e2e.ready" not in node.read().annotations
     finally:
