@@ -268,7 +268,8 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 
 
 def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
-    from kvcd.config.loader import KVC_GLOBAL, load_settings
+    from kvcd.config.loader import load_settings
+    from kvcd.config.rules import KVC_GLOBAL
     from kvcd.daemon.observe import host_for
     from kvcd.daemon.record import KernelUnknown, running_kernel
     from kvcd.host.pylibs import check_settings

@@ -1,6 +1,6 @@
 """Instance keys for capability matching, device gating, link readiness and dependsOn.
 
-Kept beside loader.py (which calls it) so the loader stays readable: `[capabilities]`,
+Kept beside native.py (which calls it) so the loader stays readable: `[capabilities]`,
 `[variants.<name>]`, `requires_device`, `unload_on_device_removal`, `expect_links`,
 `expect_links_timeout`, `depends_on`, the node-wide `[node_capabilities]` pins, and the
 dependency graph check (cycle or missing dependency = ConfigError naming the chain).
@@ -14,14 +14,20 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, LinkSpec, Variant
+from kvcd.config import rules
+from kvcd.config.model import (
+    BuildSource,
+    ConfigError,
+    ConfigLocations,
+    InstanceConfig,
+    LinkSpec,
+    Variant,
+)
+from kvcd.config.tomlsrc import KeyLines
 from kvcd.core.capabilities import is_vendor_device
 from kvcd.core.depends import DependencyError, load_order
-
-if TYPE_CHECKING:
-    from kvcd.config.loader import ConfigLocations
 
 _VARIANT_KEYS = ("capabilities", "image", "build")
 _LINK_KEYS = ("driver", "name", "up")
@@ -33,19 +39,13 @@ _LINK_GLOB = re.compile(r"[A-Za-z0-9_.:@*?\[\]!-]{1,64}")
 Fail = Callable[..., ConfigError]
 
 
-def _show(value: object) -> str:
-    from kvcd.config.loader import _show as show
-
-    return show(value)
-
-
 def capability_set(
     table: object, fail: Fail, where: tuple[str, ...], label: str
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """name -> [values] (a single string is one value); names and values checked."""
     if not isinstance(table, dict):
         raise fail(
-            f"'{label}' must be a table of capability -> [values], got {_show(table)}", *where
+            f"'{label}' must be a table of capability -> [values], got {rules.show(table)}", *where
         )
     out: list[tuple[str, tuple[str, ...]]] = []
     for name, raw in table.items():
@@ -57,14 +57,15 @@ def capability_set(
         values = [raw] if isinstance(raw, str) else raw
         if not isinstance(values, list) or not values:
             raise fail(
-                f"'{label}.{name}' must be a non-empty array of strings, got {_show(raw)}", *key
+                f"'{label}.{name}' must be a non-empty array of strings, got {rules.show(raw)}",
+                *key,
             )
         seen: list[str] = []
         for v in values:
             if not isinstance(v, str) or not v or any(ord(c) < 33 or ord(c) == 127 for c in v):
                 raise fail(
                     f"'{label}.{name}' values must be non-empty strings without spaces or "
-                    f"control characters, got {_show(v)}",
+                    f"control characters, got {rules.show(v)}",
                     *key,
                 )
             if v in seen:
@@ -74,25 +75,10 @@ def capability_set(
     return tuple(out)
 
 
-class _Under:
-    """A _TomlInstance seen from inside a sub-table: key paths get `prefix` (for lines)."""
-
-    def __init__(self, inst: Any, prefix: tuple[str, ...]) -> None:
-        self.inst = inst
-        self.prefix = prefix
-
-    def fail(self, message: str, *key: str) -> ConfigError:
-        return self.inst.fail(message, *self.prefix, *key)  # type: ignore[no-any-return]
-
-    def check(self, rule: Any, value: object, *key: str) -> Any:
-        return self.inst.check(rule, value, *self.prefix, *key)
-
-
 def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
     """The InstanceConfig fields for this module's keys (only those present in `data`).
 
-    `inst` is the loader's _TomlInstance (fail, check, build_source)."""
-    from kvcd.config.loader import INSTANCE_NAME
+    `inst` is the TomlInstance being read (fail, check, variant_build)."""
 
     fail: Fail = inst.fail
     values: dict[str, Any] = {}
@@ -113,7 +99,7 @@ def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
         value = data["unload_on_device_removal"]
         if not isinstance(value, bool):
             raise fail(
-                f"'unload_on_device_removal' must be true or false, got {_show(value)}",
+                f"'unload_on_device_removal' must be true or false, got {rules.show(value)}",
                 "unload_on_device_removal",
             )
         if "requires_device" not in data:
@@ -128,7 +114,7 @@ def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
             raise fail(
                 f"'expect_links_timeout' must be a number of seconds in (0, 86400], "
-                f"got {_show(value)}",
+                f"got {rules.show(value)}",
                 "expect_links_timeout",
             )
         values["expect_links_timeout"] = float(value)
@@ -136,10 +122,11 @@ def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
         raw = data["depends_on"]
         if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
             raise fail(
-                f"'depends_on' must be an array of instance names, got {_show(raw)}", "depends_on"
+                f"'depends_on' must be an array of instance names, got {rules.show(raw)}",
+                "depends_on",
             )
         for v in raw:
-            if not INSTANCE_NAME.fullmatch(v):
+            if not rules.INSTANCE_NAME.fullmatch(v):
                 raise fail(f"'depends_on' entry {v!r} is not an instance name", "depends_on")
         if len(set(raw)) != len(raw):
             raise fail("'depends_on' lists an instance twice", "depends_on")
@@ -148,20 +135,20 @@ def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _variants(inst: Any, raw: object, table: dict[str, tuple[str, ...]]) -> tuple[Variant, ...]:
-    from kvcd.config.loader import _image, _TomlInstance, _unknown_keys
-
     fail: Fail = inst.fail
 
     if not isinstance(raw, dict) or not raw:
-        raise fail(f"'variants' must be tables [variants.<name>], got {_show(raw)}", "variants")
+        raise fail(
+            f"'variants' must be tables [variants.<name>], got {rules.show(raw)}", "variants"
+        )
     out = []
     for name, body in raw.items():
         where = ("variants", name)
         if not VARIANT_NAME.fullmatch(name):
             raise fail(f"bad variant name {name!r}: use [A-Za-z0-9][A-Za-z0-9_.-]*", *where)
         if not isinstance(body, dict):
-            raise fail(f"'variants.{name}' must be a table, got {_show(body)}", *where)
-        _unknown_keys(body, _VARIANT_KEYS, f"variants.{name}", fail, where)
+            raise fail(f"'variants.{name}' must be a table, got {rules.show(body)}", *where)
+        rules.unknown_keys(body, _VARIANT_KEYS, f"variants.{name}", fail, where)
         caps = capability_set(
             body.get("capabilities", {}),
             fail,
@@ -179,11 +166,15 @@ def _variants(inst: Any, raw: object, table: dict[str, tuple[str, ...]]) -> tupl
                     "capabilities",
                     cap,
                 )
-        image = inst.check(_image, body["image"], *where, "image") if "image" in body else None
+        image = (
+            inst.check(rules.valid_image, body["image"], *where, "image")
+            if "image" in body
+            else None
+        )
         build: BuildSource | None = None
         if "build" in body:
-            # The loader's own [build] rules; key paths (for line numbers) under the variant.
-            build = _TomlInstance.build_source(_Under(inst, where), body["build"])  # type: ignore[arg-type]
+            # The instance's own [build] rules; key paths (for line numbers) under the variant.
+            build = inst.variant_build(where, body["build"])
         if image is None and build is None:
             raise fail(
                 f"[variants.{name}] needs an 'image' or a [variants.{name}.build] table", *where
@@ -197,7 +188,7 @@ def _requires_device(raw: object, fail: Fail) -> tuple[str, ...]:
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         raise fail(
             "'requires_device' must be a non-empty array of modalias globs or vendor:device "
-            f"ids, got {_show(raw)}",
+            f"ids, got {rules.show(raw)}",
             "requires_device",
         )
     for v in values:
@@ -220,14 +211,14 @@ def _expect_links(raw: object, fail: Fail) -> tuple[LinkSpec, ...]:
     if not isinstance(raw, list) or not raw:
         raise fail(
             "'expect_links' must be a non-empty array of tables such as "
-            f'{{ driver = "ixgbe", up = true }}, got {_show(raw)}',
+            f'{{ driver = "ixgbe", up = true }}, got {rules.show(raw)}',
             "expect_links",
         )
     out = []
     for i, entry in enumerate(raw, 1):
         label = f"'expect_links' entry {i}"
         if not isinstance(entry, dict):
-            raise fail(f"{label} must be a table, got {_show(entry)}", "expect_links")
+            raise fail(f"{label} must be a table, got {rules.show(entry)}", "expect_links")
         for key in entry:
             if key not in _LINK_KEYS:
                 raise fail(f"{label}: unknown key {key!r} (only driver, name, up)", "expect_links")
@@ -240,13 +231,13 @@ def _expect_links(raw: object, fail: Fail) -> tuple[LinkSpec, ...]:
                 if not isinstance(v, str) or not _LINK_GLOB.fullmatch(v):
                     raise fail(
                         f"{label}: '{key}' must be a name or glob of [A-Za-z0-9_.:@-*?[]!], "
-                        f"got {_show(v)}",
+                        f"got {rules.show(v)}",
                         "expect_links",
                     )
                 globs[key] = v
         up = entry.get("up", False)
         if not isinstance(up, bool):
-            raise fail(f"{label}: 'up' must be true or false, got {_show(up)}", "expect_links")
+            raise fail(f"{label}: 'up' must be true or false, got {rules.show(up)}", "expect_links")
         out.append(LinkSpec(driver=globs.get("driver"), name=globs.get("name"), up=up))
     return tuple(out)
 
@@ -290,8 +281,6 @@ def _missing(root: ConfigLocations, name: str) -> bool:
 
 
 def _line(config: InstanceConfig) -> int | None:
-    from kvcd.config.tomlsrc import KeyLines
-
     try:
         text = Path(config.source).read_text()
     except OSError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvcd.core.capabilities import LinkSpec
 from kvcd.core.types import ModuleSpec
@@ -166,3 +167,19 @@ def tag_safe(text: str) -> str:
     if out[:1] in {".", "-"}:
         out = "_" + out[1:]
     return out.lower()[:128]
+
+
+class ConfigLocations(Protocol):
+    """The part of HostRoot this layer needs (HostRoot satisfies it structurally)."""
+
+    def instance_dirs(self) -> tuple[Path, Path]: ...
+
+    def kvc_conf(self, name: str) -> Path: ...
+
+    def kvc_libs(self, name: str) -> tuple[Path, ...]: ...
+
+    @property
+    def main_config(self) -> Path: ...
+
+    @property
+    def vendor(self) -> Path: ...

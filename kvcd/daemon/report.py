@@ -31,9 +31,9 @@ from kvcd.node.backend import (
     NodeWriter,
     Unavailable,
     node_name,
-    open_backend,
 )
 from kvcd.node.keys import Keys
+from kvcd.node.open import open_backend
 
 if TYPE_CHECKING:
     from kvcd.daemon.record import Record
@@ -191,7 +191,7 @@ def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]
     """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one.
     Label values must be what Kubernetes accepts on a Node, so a file-backend node never holds
     a label a cluster would refuse."""
-    from kvcd.config.loader import qualified_name
+    from kvcd.config.rules import qualified_name
     from kvcd.core.labels import LABEL_VALUE_RULE, valid_label_value
 
     out: dict[str, str | None] = {}

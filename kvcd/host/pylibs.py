@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcd.config.loader import ConfigLocations, setting_line, settings_source
-from kvcd.config.model import ConfigError, Settings
+from kvcd.config.loader import setting_line, settings_source
+from kvcd.config.model import ConfigError, ConfigLocations, Settings
 
 Importer = Callable[[str], Any]
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvcd.config.model import Settings
-from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +176,3 @@ NODE_NAME_ENV = "KVCD_NODE_NAME"
 def node_name(settings: Settings, environ: Mapping[str, str], hostname: str) -> str:
     """Config, then $KVCD_NODE_NAME, then the hostname (Kubernetes' own default node name)."""
     return settings.node_name or environ.get(NODE_NAME_ENV, "") or hostname.lower()
-
-
-def open_backend(root: HostRoot, settings: Settings, environ: Mapping[str, str]) -> Backend:
-    """The configured backend. The kubernetes client is imported only when it is chosen."""
-    import socket
-
-    name = node_name(settings, environ, socket.gethostname())
-    if settings.node_backend == "kubernetes":
-        from kvcd.node.kube import KubeBackend
-
-        return KubeBackend(name, kubeconfig=settings.kubeconfig or None)
-    from kvcd.node.filebackend import FileBackend
-
-    return FileBackend(root, name)

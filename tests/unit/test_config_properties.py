@@ -12,7 +12,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcd.config import loader
+from kvcd.config import loader, rules
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 
 PATH = Path("/etc/kvcd/instances/nic.toml")
@@ -51,8 +51,8 @@ _SCALARS = st.sampled_from(
         '["Bad-Name"]',
     ]
 )
-TOP_KEYS = st.sampled_from([*loader._TOP_KEYS, "build.context", "build.args", "params.kvcd_user"])
-SETTINGS_KEYS = st.sampled_from(loader._SETTINGS_KEYS)
+TOP_KEYS = st.sampled_from([*rules.TOP_KEYS, "build.context", "build.args", "params.kvcd_user"])
+SETTINGS_KEYS = st.sampled_from(rules.SETTINGS_KEYS)
 TEXT = st.text(max_size=400)
 
 
