@@ -18,7 +18,7 @@ from pathlib import Path
 from kvcd.config.loader import list_instances
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import storegc
-from kvcd.daemon import drift
+from kvcd.daemon import driftstore
 from kvcd.host import files, kmod, rpmostree
 from kvcd.host.paths import HostRoot
 
@@ -103,7 +103,7 @@ def collect(
                 removed.append(f"{root.kernel_dir(kernel)} (kernel {kernel} not installed)")
         for kernel in {*gone, *(t.kernel for t in trees)} - installed:  # drift's index record
             with suppress(FileNotFoundError):
-                drift.depmod_record_path(root, kernel).unlink()
+                driftstore.depmod_record_path(root, kernel).unlink()
     for line in removed:
         log.info("store clean-up: removed %s", line, extra=fields)
     return removed
@@ -134,7 +134,7 @@ def collect_unconfigured(root: HostRoot, kernel: str, fields: dict[str, str]) ->
         try:
             kmod.deactivate(root, kernel, name)
             kmod.unlink_weak_updates(root, kernel, name)
-            drift.forget_tree(root, name, kernel)
+            driftstore.forget_tree(root, name, kernel)
         except (ValueError, kmod.KmodError, OSError) as exc:  # not a name kvcd links under
             log.warning("module root: left %s in place: %s", name, exc, extra=fields)
             continue

@@ -19,7 +19,7 @@ import pytest
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
-from kvcd.daemon import drift
+from kvcd.daemon import drift, driftcheck
 from kvcd.daemon.events import HOLD, Context, Event
 from kvcd.host.fswatch import DirWatch
 from kvcd.host.paths import HostRoot
@@ -262,7 +262,7 @@ def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
             scratch = kdir / f"{name}.{os.getpid()}.{i}.1795332315"
             scratch.write_bytes((kdir / name).read_bytes() if (kdir / name).exists() else b"")
             os.replace(scratch, kdir / name)
-        drift.DriftMonitor.regenerate(root, K)
+        driftcheck.regenerate(root, K)
         first = take()
         ours = [
             e.what

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcd.cli import main
-from kvcd.daemon import drift
+from kvcd.daemon import driftstore
 from kvcd.daemon.record import Record
 from kvcd.host import files, procs
 from kvcd.host.paths import HostRoot
@@ -175,10 +175,10 @@ def test_node_file_reader(raw: bytes) -> None:
 @ANY
 @given(raw_inputs)
 def test_drift_record_readers(raw: bytes) -> None:
-    base = _valid_or_own_error(drift.parse_baseline, raw)
+    base = _valid_or_own_error(driftstore.parse_baseline, raw)
     if base is not None:
         assert isinstance(base.get("units", {}), dict) and isinstance(base.get("trees", {}), dict)
-    rec = _valid_or_own_error(drift.parse_depmod_record, raw)
+    rec = _valid_or_own_error(driftstore.parse_depmod_record, raw)
     if rec is not None:
         assert isinstance(rec["files"], dict)
 
@@ -196,7 +196,7 @@ def test_pid_file_reader(raw: bytes) -> None:
     "reader",
     [
         lambda r, p: Record.load(r, "x"),
-        lambda r, p: drift.parse_baseline(p, files.read_bytes(p) or b""),
+        lambda r, p: driftstore.parse_baseline(p, files.read_bytes(p) or b""),
         lambda r, p: procs.read_pid_file(p),
     ],
     ids=["record", "drift", "pid"],

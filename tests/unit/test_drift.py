@@ -32,7 +32,7 @@ from kvcd.core import drift as core
 from kvcd.core import state
 from kvcd.core.attempts import OBSERVE, RETRY
 from kvcd.core.state import StepFailed
-from kvcd.daemon import drift, extensions, status
+from kvcd.daemon import drift, driftstore, extensions, status
 from kvcd.daemon.events import HOLD, SKIP, Context, Event
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
@@ -584,7 +584,7 @@ def test_system_tree_force_file_drops_the_copy_and_its_tree(system_host: HostRoo
 
 def test_other_instance_depmod_updates_the_node_record(host: HostRoot) -> None:
     r = Rig(host)
-    record = drift.depmod_record_path(host, K)
+    record = driftstore.depmod_record_path(host, K)
     before = json.loads(record.read_text())
     _other_instance_depmod(r)
     assert r.verdict() is None
@@ -666,14 +666,14 @@ def test_force_file_is_consumed_once_and_reapplies(
     assert r.verdict() is None  # reconcile normally: the plan re-extracts and re-links
     assert not force.exists()
     assert not r.tree.exists()  # the drifted tree was dropped for re-extraction
-    assert not drift.baseline_path(host, NAME).exists()
+    assert not driftstore.baseline_path(host, NAME).exists()
     assert any(getattr(x, "MESSAGE_ID", "") == journal.MSG_DRIFT_FORCED for x in caplog.records)
     # The re-applied tree (what the plan's Extract would write), then after(): new baseline.
     store(host, "1.0", MODS)
     r.mon.after(r.ctx, r.inst.apply("load"))
     assert r.verdict() is None  # the new drop-in is now part of the baseline
     assert r.mon.consume_force(r.ctx) is False  # one-shot: nothing left to consume
-    units = json.loads(drift.baseline_path(host, NAME).read_text())["units"]
+    units = json.loads(driftstore.baseline_path(host, NAME).read_text())["units"]
     assert any(p.endswith("30-new.conf") for p in units)
 
 
@@ -691,7 +691,7 @@ def test_events_during_kvcds_own_change_are_not_drift(host: HostRoot) -> None:
     # The watch events of that change arrive after it: they find nothing wrong.
     r.record = rec
     assert r.verdict(Event(drift.SOURCE, str(r.kdir / "modules.dep"))) is None
-    base = json.loads(drift.baseline_path(host, NAME).read_text())
+    base = json.loads(driftstore.baseline_path(host, NAME).read_text())
     assert base["trees"][K]["link"].endswith(f"2.0/{K}")
     assert r.verdict() is None
 
@@ -789,7 +789,7 @@ def test_first_start_on_a_prepared_kernel_is_not_drift(host: HostRoot) -> None:
     store(host, "1.0", MODS, kernel=B)  # prepared ahead: already extracted for B
     rec = Instance(host, r.settings, r.cfg, B).apply("load")
     again.after(ctx, rec)
-    trees = json.loads(drift.baseline_path(host, NAME).read_text())["trees"]
+    trees = json.loads(driftstore.baseline_path(host, NAME).read_text())["trees"]
     assert sorted(trees) == sorted([B, K])
     assert trees[B]["link"] and trees[K]["link"]
     assert again.verdict(ctx, [Event(drift.SOURCE, "timer")]) is not None  # held as recorded
@@ -910,10 +910,12 @@ INTERESTING = [
         id="other-kernel-index",
     ),
     pytest.param(False, lambda r: r.root.state_file(NAME), False, id="state-file"),
-    pytest.param(False, lambda r: drift.depmod_record_path(r.root, K), False, id="drift-record"),
+    pytest.param(
+        False, lambda r: driftstore.depmod_record_path(r.root, K), False, id="drift-record"
+    ),
     pytest.param(
         False,
-        lambda r: drift.drift_dir(r.root) / ".regen-1" / "x",
+        lambda r: driftstore.drift_dir(r.root) / ".regen-1" / "x",
         False,
         id="regenerate-scratch",
     ),
@@ -1147,9 +1149,9 @@ def test_a_damaged_drift_record_is_set_aside_said_and_taken_again(
     rec = svc.reconcile([Event("start")])
     assert rec is not None and rec.state == state.DONE
     path = (
-        drift.baseline_path(host, NAME)
+        driftstore.baseline_path(host, NAME)
         if which == "baseline"
-        else drift.depmod_record_path(host, K)
+        else driftstore.depmod_record_path(host, K)
     )
     assert path.is_file()
     path.write_bytes(garbage)

@@ -140,12 +140,12 @@ K = "6.1.0-56-amd64"
 
 def instance_files(root: HostRoot, name: str) -> set[Path]:
     """Every file or directory kvcd keeps under the instance's name."""
-    from kvcd.daemon import drift
+    from kvcd.daemon import driftstore
 
     return {
         root.state_file(name),
         root.store(name),
-        drift.baseline_path(root, name),
+        driftstore.baseline_path(root, name),
         root.instance_lock(name),
         root.force_file(name),
         root.pid_file(name),
@@ -158,10 +158,15 @@ def instance_files(root: HostRoot, name: str) -> set[Path]:
 
 
 def node_files(root: HostRoot) -> set[Path]:
-    from kvcd.daemon import drift
+    from kvcd.daemon import driftstore
     from kvcd.node.filebackend import node_file
 
-    return {root.owners_lock, root.module_lock, drift.depmod_record_path(root, K), node_file(root)}
+    return {
+        root.owners_lock,
+        root.module_lock,
+        driftstore.depmod_record_path(root, K),
+        node_file(root),
+    }
 
 
 # Names made of kvcd's own suffixes and node-wide names: where a collision would come from.

@@ -18,7 +18,7 @@ import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core.attempts import RETRY
-from kvcd.daemon import drift, nextkernel, status, storegc
+from kvcd.daemon import driftstore, nextkernel, status, storegc
 from kvcd.daemon.events import SKIP, Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
@@ -543,8 +543,8 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     next_tree = prepared_weak(host, B)
     gone_tree = prepared_weak(host, C)  # was the next kernel; its package is gone now
     (host.state / "drift").mkdir(parents=True)
-    drift.depmod_record_path(host, C).parent.mkdir(parents=True, exist_ok=True)
-    drift.depmod_record_path(host, C).write_text("{}")
+    driftstore.depmod_record_path(host, C).parent.mkdir(parents=True, exist_ok=True)
+    driftstore.depmod_record_path(host, C).write_text("{}")
 
     removed = storegc.collect(host, config(host), A, B)
 
@@ -556,7 +556,7 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     assert running.is_dir() and kmod.active_store(host, A, NAME) == running
     assert next_tree.is_dir() and kmod.weak_updates_store(host, B, NAME) == next_tree
     assert not host.kernel_dir(C).exists()
-    assert not drift.depmod_record_path(host, C).exists()
+    assert not driftstore.depmod_record_path(host, C).exists()
     assert storegc.collect(host, config(host), A, B) == []  # idempotent
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvcd.config.loader import load_instance
 from kvcd.config.model import ConfigError
 from kvcd.core.storegc import Tree, stale, stale_kernel_trees, unconfigured
-from kvcd.daemon import drift
+from kvcd.daemon import driftcheck, driftstore
 from kvcd.daemon import storegc as gc
 from kvcd.host import files, kmod
 from kvcd.host.paths import HostRoot
@@ -96,7 +96,7 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
     kmod.depmod(root, A)
     assert "extra/gone/kvcd_base.ko" in (kdir / "modules.dep").read_text()
     # What the drift monitor recorded of the link kvcd left, for this kernel and another.
-    baseline = drift.baseline_path(root, "gone")
+    baseline = driftstore.baseline_path(root, "gone")
     files.write_json(baseline, {"units": {}, "trees": {A: {"link": "x"}, "9.9.9": {"link": "y"}}})
 
     removed = gc.collect_unconfigured(root, A, {})
@@ -110,7 +110,7 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
     # of this kernel's link went with it (the guest saw e2e-kmod stuck in Drift after it).
     assert json.loads(baseline.read_text())["trees"] == {"9.9.9": {"link": "y"}}
     fakehost.write_config(root, "gone", 'version = "1.0"\nmodules = ["kvcd_base"]\nimage = "i"\n')
-    check = drift.Check(root, load_instance(root, "gone"), A, lambda _k: None, [].append)
+    check = driftcheck.Check(root, load_instance(root, "gone"), A, lambda _k: None, [].append)
     assert [d for d in check.run() if "extra/gone" in d.text()] == []
     assert gc.collect_unconfigured(root, A, {}) == []  # nothing left: no second depmod
 

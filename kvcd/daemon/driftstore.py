@@ -1,0 +1,229 @@
+"""Where the drift monitor keeps what it expects, and what a file's fact is: the per-instance
+baseline (`/var/lib/kvcd/drift/<instance>.json`), the node-wide depmod records
+(`drift/depmod/<kernel>.json`), the paths kvcd owns for an instance, and sha256/mode facts."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvcd.core import drift as core
+from kvcd.host import files, kmod
+from kvcd.host.paths import HostRoot
+
+log = logging.getLogger(__name__)
+
+
+# Inputs kvcd copies into the kernel directory (kmod._COPIED); not depmod's output.
+COPIED_INPUTS = frozenset({"modules.builtin", "modules.builtin.modinfo", "modules.order"})
+MODULE_SUFFIXES = kmod.MODULE_SUFFIXES
+_CHUNK = 1 << 20
+
+
+# --- where things are -------------------------------------------------------------------
+
+
+def drift_dir(root: HostRoot) -> Path:
+    return root.state / "drift"
+
+
+def baseline_path(root: HostRoot, name: str) -> Path:
+    return drift_dir(root) / f"{name}.json"
+
+
+def depmod_record_path(root: HostRoot, kernel: str) -> Path:
+    """Node-wide, in a directory of its own: an instance's baseline (<name>.json) never is."""
+    return drift_dir(root) / "depmod" / f"{kernel}.json"
+
+
+def unit_files(root: HostRoot) -> tuple[Path, ...]:
+    return (
+        root("/etc/systemd/system/kvcd@.service"),
+        root("/usr/lib/systemd/system/kvcd@.service"),
+    )
+
+
+def dropin_dirs(root: HostRoot, name: str) -> tuple[Path, ...]:
+    return (
+        root("/etc/systemd/system/kvcd@.service.d"),
+        root(f"/etc/systemd/system/kvcd@{name}.service.d"),
+        root("/usr/lib/systemd/system/kvcd@.service.d"),
+    )
+
+
+def link_path(root: HostRoot, kernel: str, name: str) -> Path:
+    return kmod.extra_link(root, kernel, name)
+
+
+# --- facts --------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with files.open_regular(path) as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fact(path: Path) -> core.Fact:
+    """lstat (never following a symlink) and, for a regular file, its sha256."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return core.Fact(core.ABSENT)
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return core.Fact(core.SYMLINK, mode, st.st_size, target=os.readlink(path))
+    if stat.S_ISDIR(st.st_mode):
+        return core.Fact(core.DIR, mode)
+    if not stat.S_ISREG(st.st_mode):
+        return core.Fact(core.OTHER, mode)
+    try:
+        digest = sha256_file(path)
+    except FileNotFoundError:  # gone between lstat and open
+        return core.Fact(core.ABSENT)
+    return core.Fact(core.FILE, mode, st.st_size, digest)
+
+
+def fact_json(f: core.Fact) -> dict[str, Any]:
+    return {"kind": f.kind, "mode": f.mode, "size": f.size, "sha256": f.sha256, "target": f.target}
+
+
+def expect_json(data: object) -> core.Expect | None:
+    if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+        return None
+    if data["kind"] == core.ABSENT:
+        return core.Expect(core.ABSENT)
+    sha = data.get("sha256")
+    mode = data.get("mode")
+    size = data.get("size")
+    target = data.get("target")
+    return core.Expect(
+        data["kind"],
+        sha256=sha if isinstance(sha, str) and sha else None,
+        mode=mode if isinstance(mode, int) else None,
+        size=size if isinstance(size, int) else None,
+        target=target if isinstance(target, str) and target else None,
+    )
+
+
+def parse_baseline(path: Path, raw: bytes) -> dict[str, Any]:
+    """An instance's drift baseline: {"units": {path: fact}, "trees": {kernel: tree}}.
+    files.Damaged for anything else: a baseline that is not one would switch checks off."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict):
+        raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not a drift baseline")
+    for part in ("units", "trees"):
+        if part in data and not isinstance(data[part], dict):
+            raise files.Damaged(path, f"has {part!r} that is not an object")
+    return data
+
+
+def forget_tree(root: HostRoot, name: str, kernel: str) -> None:
+    """kvcd itself removed `name`'s link for `kernel` (the instance left the node): the
+    expectation of that link goes with it, so the instance, when configured again, starts from
+    no expectation instead of taking kvcd's own removal for drift."""
+    path = baseline_path(root, name)
+
+    def damaged(what: str) -> None:
+        log.warning("drift: %s", what, extra={"KVCD_INSTANCE": name})
+
+    old = read_record(path, parse_baseline, damaged)
+    trees = old.get("trees") if old else None
+    if old and isinstance(trees, dict) and kernel in trees:
+        files.write_json(path, {**old, "trees": {k: t for k, t in trees.items() if k != kernel}})
+
+
+def parse_depmod_record(path: Path, raw: bytes) -> dict[str, Any]:
+    """The node-wide record of a kernel's depmod indexes: {"kernel": K, "files": {name: fact}}."""
+    data = files.parse_json(path, raw)
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        raise files.Damaged(path, 'is not a depmod record (no "files" object)')
+    return data
+
+
+def read_record(
+    path: Path,
+    parse: Callable[[Path, bytes], dict[str, Any]],
+    on_damaged: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """A drift record (None: none yet). A damaged one is set aside and reported through
+    `on_damaged`, then treated as absent: kvcd takes it again from its own manifests."""
+    raw = files.read_bytes(path)
+    if raw is None:
+        return None
+    try:
+        return parse(path, raw)
+    except files.Damaged as exc:
+        aside = files.set_aside(path, exc)
+        on_damaged(f"{exc.path} {exc.what}" + (f"; set aside as {aside.name}" if aside else ""))
+        return None
+
+
+def f_absent() -> core.Expect:
+    return core.Expect(core.ABSENT)
+
+
+def baseline_tree(baseline: dict[str, Any], kernel: str) -> dict[str, Any]:
+    """What kvcd recorded of `kernel`'s extra/<instance> link and its tree ({} = kvcd never
+    activated the instance for that kernel: no expectation, an absent link is fine). The
+    expectation is per kernel: a start on a kernel prepared ahead (next kernel) or never used
+    must not be compared with the link of another kernel."""
+    trees = baseline.get("trees")
+    tree = trees.get(kernel) if isinstance(trees, dict) else None
+    return tree if isinstance(tree, dict) else {}
+
+
+def tree_entries(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The module files a store manifest lists: relative path -> {sha256, mode}."""
+    mods = manifest.get("modules")
+    out: dict[str, dict[str, Any]] = {}
+    for info in (mods if isinstance(mods, dict) else {}).values():
+        if isinstance(info, dict) and isinstance(info.get("file"), str):
+            out[info["file"]] = {"sha256": info.get("sha256"), "mode": info.get("mode")}
+    return out
+
+
+# An index name: "modules." and words (modules.dep, modules.alias.bin …). depmod's scratch
+# names, renamed into place, are not: "<index>.tmp" (older kmod) or "<index>.<pid>.<n>.<time>"
+# (kmod 30+); their events are kvcd's own depmod at work and never a reason to re-validate.
+_INDEX_RE = re.compile(r"modules(?:\.[A-Za-z_]+)+")
+
+
+def is_depmod_output(name: str) -> bool:
+    return (
+        _INDEX_RE.fullmatch(name) is not None
+        and name not in COPIED_INPUTS
+        and not name.endswith(".tmp")
+    )
+
+
+def depmod_outputs(kernel_dir: Path) -> dict[str, core.Fact]:
+    out: dict[str, core.Fact] = {}
+    try:
+        names = sorted(os.listdir(kernel_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for name in names:
+        if is_depmod_output(name):
+            f = fact(kernel_dir / name)
+            if f.kind != core.ABSENT:
+                out[name] = f
+    return out
+
+
+def normalized_digest(path: Path) -> str:
+    """Text indexes compare as sets of lines (depmod's order can follow readdir order, which
+    differs between a scratch tree and the real one); binary indexes compare byte for byte."""
+    if path.name.endswith(".bin"):
+        return sha256_file(path)
+    with files.open_regular(path) as handle:
+        lines = sorted(handle.read().splitlines())
+    return hashlib.sha256(b"\n".join(lines)).hexdigest()
