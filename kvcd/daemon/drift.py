@@ -35,7 +35,7 @@ from kvcd.daemon.driftstore import (
 from kvcd.daemon.events import HOLD, SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import read_manifest
 from kvcd.daemon.record import Record
-from kvcd.host import files, journal, kmod
+from kvcd.host import files, journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.udev import ModuleEvent, ModuleMonitor, udevd_running
 
@@ -362,7 +362,7 @@ class DriftMonitor(Extension):
             return None
         expected: dict[str, str | None] = {}
         manifest = None
-        active = kmod.active_store(ctx.root, ctx.kernel, ctx.name)
+        active = modtree.active_store(ctx.root, ctx.kernel, ctx.name)
         if active is not None:
             manifest = read_manifest(active)
         mods = manifest.get("modules") if manifest else None
@@ -433,7 +433,7 @@ class DriftMonitor(Extension):
         self._forced = False
         link = link_path(ctx.root, ctx.kernel, ctx.name)
         try:  # the link's target, or what the system tree's installed copy came from
-            active = kmod.active_store(ctx.root, ctx.kernel, ctx.name)
+            active = modtree.active_store(ctx.root, ctx.kernel, ctx.name)
         except kmod.KmodError:
             active = None
         target = str(active) if active is not None else None

@@ -38,7 +38,7 @@ from kvcd.daemon.driftstore import (
     unit_files,
 )
 from kvcd.daemon.observe import MANIFEST, read_manifest, store_dir
-from kvcd.host import files, kmod
+from kvcd.host import files, kmod, modtree
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Check:
         """The system tree (module_tree = "system"): ``extra/<instance>/`` is a copy of a store
         tree, named by its ``.kvcd-store``; both the copy and the store tree must match the
         manifest."""
-        marker = installed / kmod.STORE_MARKER
+        marker = installed / modtree.STORE_MARKER
         key = str(marker)
         f = fact(marker)
         self.observed[key] = f
@@ -354,7 +354,7 @@ def drop_applied(
             # The installed copy goes the way every removal does (weak-modules is told); a
             # directory in /lib/modules that kvcd did not install is never touched.
             try:
-                active = kmod.deactivate(root, kernel, name)
+                active = modtree.deactivate(root, kernel, name)
             except kmod.KmodError as exc:
                 log.warning("drift: force file: %s", exc, extra=fields)
                 active = None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcd.core import drift as core
-from kvcd.host import files, kmod
+from kvcd.host import files, modtree
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 # Inputs kvcd copies into the kernel directory (kmod._COPIED); not depmod's output.
 COPIED_INPUTS = frozenset({"modules.builtin", "modules.builtin.modinfo", "modules.order"})
-MODULE_SUFFIXES = kmod.MODULE_SUFFIXES
+MODULE_SUFFIXES = modtree.MODULE_SUFFIXES
 _CHUNK = 1 << 20
 
 
@@ -58,7 +58,7 @@ def dropin_dirs(root: HostRoot, name: str) -> tuple[Path, ...]:
 
 
 def link_path(root: HostRoot, kernel: str, name: str) -> Path:
-    return kmod.extra_link(root, kernel, name)
+    return modtree.extra_link(root, kernel, name)
 
 
 # --- facts --------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon.observe import MANIFEST, store_dir
-from kvcd.host import failpoint, files, hooks, journal, kmod
+from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
@@ -283,7 +283,7 @@ class Executor:
         modules: dict[str, Any] = {}
         for name, path in sorted(by_name.items()):
             try:
-                info = kmod.modinfo(path)
+                info = modfiles.modinfo(path)
             except kmod.KmodError as exc:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
             vermagic = (_first(info, "vermagic") or "").split(" ")[0]
@@ -318,8 +318,8 @@ class Executor:
     def _activate(self, a: Activate, attempt: Attempt) -> None:
         target = store_dir(self.root, self.cfg.name, a.version, a.kernel)
         try:
-            kmod.prepare_kernel_tree(self.root, a.kernel)
-            previous = kmod.activate(self.root, a.kernel, self.cfg.name, target)
+            modtree.prepare_kernel_tree(self.root, a.kernel)
+            previous = modtree.activate(self.root, a.kernel, self.cfg.name, target)
         except (kmod.KernelTreeMissing, kmod.StoreMissing) as exc:
             raise StepFailed(state.KERNEL_TREE_MISSING, str(exc)) from exc
         except (kmod.KmodError, OSError) as exc:  # e.g. ENOSPC copying into /lib/modules
@@ -352,7 +352,7 @@ class Executor:
             raise StepFailed(state.LOAD_FAILED, f"{name}: {exc}") from exc
         kdir = self.root.kernel_dir(self.d.kernel)
         k, inst = self.d.kernel, self.cfg.name
-        own = (kmod.extra_link(self.root, k, inst), kmod.weak_link(self.root, k, inst))
+        own = (modtree.extra_link(self.root, k, inst), modtree.weak_link(self.root, k, inst))
         if path is not None and not any(Path(path).is_relative_to(d) for d in own):
             raise StepFailed(
                 state.LOAD_FAILED,
@@ -405,9 +405,11 @@ class Executor:
         if attempt.activated:
             try:
                 if attempt.previous_store is None:
-                    kmod.deactivate(self.root, self.d.kernel, self.cfg.name)
+                    modtree.deactivate(self.root, self.d.kernel, self.cfg.name)
                 else:
-                    kmod.activate(self.root, self.d.kernel, self.cfg.name, attempt.previous_store)
+                    modtree.activate(
+                        self.root, self.d.kernel, self.cfg.name, attempt.previous_store
+                    )
                 kmod.depmod(self.root, self.d.kernel)
                 done.append("module root restored")
             except (OSError, kmod.KmodError) as exc:

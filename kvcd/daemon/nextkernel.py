@@ -61,7 +61,7 @@ from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
 from kvcd.daemon.record import Record
-from kvcd.host import bootloader, elf, failpoint, files, journal, kmod, rpmostree, symvers
+from kvcd.host import bootloader, elf, failpoint, files, journal, kmod, modtree, rpmostree, symvers
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 
@@ -102,7 +102,7 @@ def _dep_lists(root: HostRoot, kernel: str, instance: str) -> bool:
     dep = files.read_text(root.kernel_dir(kernel) / "modules.dep")
     if dep is None:
         return False
-    return f"extra/{instance}/" in dep or f"{kmod.WEAK_UPDATES}/{instance}/" in dep
+    return f"extra/{instance}/" in dep or f"{modtree.WEAK_UPDATES}/{instance}/" in dep
 
 
 def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None:
@@ -113,12 +113,12 @@ def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None
     if manifest is None or manifest.get("version") != cfg.version:
         return None
     try:
-        linked = kmod.linked_stores(root, kernel, cfg.name)
+        linked = modtree.linked_stores(root, kernel, cfg.name)
     except kmod.KmodError:
         return None
     source = manifest.get(WEAK_FROM)
     if _by_weak_modules(root) and isinstance(source, str):
-        if kmod.weak_modules_missing(root, source, kernel, cfg.name):
+        if modtree.weak_modules_missing(root, source, kernel, cfg.name):
             return None
     elif Path(os.path.abspath(target)) not in linked:
         return None
@@ -206,7 +206,7 @@ def _stage_weak_tree(source: Path, manifest: dict[str, Any], dest: Path, running
 def _by_weak_modules(root: HostRoot) -> bool:
     """Weak-updates are the host's `weak-modules`' job: modules installed in the system tree
     (kvcd.toml module_tree = "system") on a host that has it (RHEL)."""
-    return root.system_tree and kmod.weak_modules_command() is not None
+    return root.system_tree and modtree.weak_modules_command() is not None
 
 
 def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, source: Path) -> str:
@@ -222,15 +222,15 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
     dest = store_dir(root, cfg.name, cfg.version, kernel)
     _stage_weak_tree(source, manifest, dest, running)
     try:
-        kmod.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
+        modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
         if not _by_weak_modules(root):
-            kmod.link_weak_updates(root, kernel, cfg.name, dest)
+            modtree.link_weak_updates(root, kernel, cfg.name, dest)
             kmod.depmod(root, kernel)
             return f"weak-updates from {running} (kABI-compatible)"
-        installed = kmod.installed_modules(kmod.extra_link(root, running, cfg.name))
+        installed = modtree.installed_modules(modtree.extra_link(root, running, cfg.name))
         with kmod.tree_lock(root):  # weak-modules runs depmod
-            kmod.weak_modules(installed, add=True)
-        missing = kmod.weak_modules_missing(root, running, kernel, cfg.name)
+            modtree.weak_modules(installed, add=True)
+        missing = modtree.weak_modules_missing(root, running, kernel, cfg.name)
         if missing:
             raise kmod.KmodError(
                 f"weak-modules did not link {', '.join(missing)} into {kernel}'s weak-updates"
@@ -239,7 +239,7 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
             raise kmod.KmodError(f"weak-modules linked {cfg.name} but did not index {kernel}")
         return f"weak-updates from {running} by weak-modules (kABI-compatible)"
     except BaseException:
-        kmod.unlink_weak_updates(root, kernel, cfg.name)
+        modtree.unlink_weak_updates(root, kernel, cfg.name)
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
@@ -267,15 +267,15 @@ def build_ahead(
         log.info("next kernel %s: %s", kernel, line, extra=fields)
     Executor(root, inst.cfg, inst.desired, podman, on_build_line=on_build_line).apply(plan)
     target = store_dir(root, cfg.name, cfg.version, kernel)
-    kmod.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
-    previous = kmod.activate(root, kernel, cfg.name, target)
+    modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
+    previous = modtree.activate(root, kernel, cfg.name, target)
     try:
         kmod.depmod(root, kernel)
     except kmod.KmodError:
         if previous is None:
-            kmod.deactivate(root, kernel, cfg.name)
+            modtree.deactivate(root, kernel, cfg.name)
         else:
-            kmod.activate(root, kernel, cfg.name, previous)
+            modtree.activate(root, kernel, cfg.name, previous)
         raise
     built = any(isinstance(a, (AcquireImage, Extract)) for a in plan.actions)
     return f"built for {kernel}" if built else f"already extracted for {kernel}"

@@ -11,7 +11,7 @@ from kvcd.config.model import ConfigError, InstanceConfig, Settings, tag_safe
 from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
-from kvcd.host import files, kmod, rpmostree
+from kvcd.host import files, kmod, modtree, rpmostree
 from kvcd.host.paths import HostRoot
 
 MANIFEST = ".kvcd-manifest.json"
@@ -90,7 +90,7 @@ def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
 def observe(root: HostRoot, d: Desired) -> Observed:
     stored = stored_versions(root, d.instance, d.kernel)
     try:
-        active_dir = kmod.active_store(root, d.kernel, d.instance)
+        active_dir = modtree.active_store(root, d.kernel, d.instance)
     except kmod.KmodError as exc:  # e.g. a directory kvcd did not install in /lib/modules
         raise StepFailed(state.INSTALL_FAILED, str(exc)) from exc
     active = None

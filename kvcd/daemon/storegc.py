@@ -19,7 +19,7 @@ from kvcd.config.loader import list_instances
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import storegc
 from kvcd.daemon import driftstore
-from kvcd.host import files, kmod, rpmostree
+from kvcd.host import files, kmod, modtree, rpmostree
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def _kernel_trees(root: HostRoot) -> list[str]:
 
 def _instance_links(kdir: Path) -> bool:
     """Whether any instance links into this module-root kernel tree (extra/ or weak-updates/)."""
-    for sub in ("extra", kmod.WEAK_UPDATES):
+    for sub in ("extra", modtree.WEAK_UPDATES):
         with suppress(FileNotFoundError, NotADirectoryError):
             if any(not e.name.startswith(".") for e in os.scandir(kdir / sub)):
                 return True
@@ -85,8 +85,8 @@ def collect(
         stale = storegc.stale(trees, installed=installed)
         for kernel in sorted({t.kernel for t in stale}):  # kvcd's links into a gone kernel first
             with suppress(kmod.KmodError):  # a directory kvcd did not install stays
-                kmod.deactivate(root, kernel, cfg.name)
-            kmod.unlink_weak_updates(root, kernel, cfg.name)
+                modtree.deactivate(root, kernel, cfg.name)
+            modtree.unlink_weak_updates(root, kernel, cfg.name)
         for tree in stale:
             path = base / tree.version / tree.kernel
             shutil.rmtree(path)
@@ -111,7 +111,7 @@ def collect(
 
 def _links(kdir: Path) -> set[str]:
     names: set[str] = set()
-    for sub in ("extra", kmod.WEAK_UPDATES):
+    for sub in ("extra", modtree.WEAK_UPDATES):
         with suppress(FileNotFoundError, NotADirectoryError):
             names |= {e.name for e in os.scandir(kdir / sub) if e.is_symlink()}
     return names
@@ -132,8 +132,8 @@ def collect_unconfigured(root: HostRoot, kernel: str, fields: dict[str, str]) ->
     gone: list[str] = []
     for name in storegc.unconfigured(_links(root.kernel_dir(kernel)), configured):
         try:
-            kmod.deactivate(root, kernel, name)
-            kmod.unlink_weak_updates(root, kernel, name)
+            modtree.deactivate(root, kernel, name)
+            modtree.unlink_weak_updates(root, kernel, name)
             driftstore.forget_tree(root, name, kernel)
         except (ValueError, kmod.KmodError, OSError) as exc:  # not a name kvcd links under
             log.warning("module root: left %s in place: %s", name, exc, extra=fields)

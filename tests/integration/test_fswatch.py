@@ -210,7 +210,7 @@ def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
     events cause must leave nothing behind that triggers another one: counted in rounds of
     (all events so far -> verdict + after), never in time."""
     from kvcd.daemon.instance import Instance
-    from kvcd.host import kmod
+    from kvcd.host import kmod, modtree
     from tests.unit.test_drift import MODS, NAME, K, store
 
     b = "6.1.0-9001-amd64"
@@ -252,9 +252,9 @@ def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
         # kvcd's own writes, B first (what the next-kernel preparation does).
         (root.system_modules(b) / "kernel").mkdir(parents=True)
         (root.system_modules(b) / "modules.builtin").write_text("")
-        kmod.prepare_kernel_tree(root, b)
+        modtree.prepare_kernel_tree(root, b)
         weak = store(root, "1.0", MODS, kernel=b)
-        kmod.link_weak_updates(root, b, NAME, weak)
+        modtree.link_weak_updates(root, b, NAME, weak)
         kmod.depmod(root, b)
         # depmod of A as kmod 30 writes it: <index>.<pid>.<n>.<time>, renamed into place.
         kdir = root.kernel_dir(K)

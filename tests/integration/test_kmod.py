@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import kmod
+from kvcd.host import kmod, modfiles, modtree
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import run
 from tests.integration.kmods import BuiltKmods, build_test_kmods, compiled_kmods_or_skip
@@ -61,8 +61,8 @@ def test_show_depends_lists_base_then_user(tmp_path: Path, kmods: BuiltKmods) ->
     k = kmods.kernel
     make_system(root, k)
     store = make_store(root, "1.0", k, [kmods.base, kmods.user])
-    tree = kmod.prepare_kernel_tree(root, k)
-    assert kmod.activate(root, k, INSTANCE, store) is None
+    tree = modtree.prepare_kernel_tree(root, k)
+    assert modtree.activate(root, k, INSTANCE, store) is None
     assert kmod.depmod(root, k) == []
 
     extra = tree / "extra" / INSTANCE
@@ -82,8 +82,8 @@ def test_in_tree_dependency_resolves_through_the_mirror(tmp_path: Path, kmods: B
     k = kmods.kernel
     make_system(root, k, in_tree=[kmods.base])
     store = make_store(root, "1.0", k, [kmods.user])
-    tree = kmod.prepare_kernel_tree(root, k)
-    kmod.activate(root, k, INSTANCE, store)
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
     kmod.depmod(root, k)
     assert kmod.show_depends(root, k, "kvcd_user") == [
         str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko"),
@@ -109,27 +109,27 @@ def test_instance_module_wins_over_a_same_named_system_module(
         root("/etc/depmod.d").mkdir(parents=True)
         root("/etc/depmod.d/dist.conf").write_text(system_conf)
     store = make_store(root, "1.0", k, [kmods.base, kmods.user])
-    tree = kmod.prepare_kernel_tree(root, k)
-    kmod.activate(root, k, INSTANCE, store)
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
     kmod.depmod(root, k)
     deps = kmod.show_depends(root, k, "kvcd_user")
     assert deps[0] == str(tree / "extra" / INSTANCE / "kvcd_base.ko")
-    assert kmod.modinfo(Path(deps[0]))["version"] == ["1.0"]
+    assert modfiles.modinfo(Path(deps[0]))["version"] == ["1.0"]
     # Without the instance, the system's updates/ copy beats its kernel/ copy.
-    kmod.deactivate(root, k, INSTANCE)
+    modtree.deactivate(root, k, INSTANCE)
     kmod.depmod(root, k)
     assert kmod.show_depends(root, k, "kvcd_base") == [str(tree / "updates" / "kvcd_base.ko")]
 
 
 def test_modinfo_reads_version_and_vermagic(kmods: BuiltKmods, kmods_v2: BuiltKmods) -> None:
-    info = kmod.modinfo(kmods.user)
+    info = modfiles.modinfo(kmods.user)
     assert info["version"] == ["1.0"]
     assert info["name"] == ["kvcd_user"]
     assert info["depends"] == ["kvcd_base"]
     assert info["vermagic"][0].split()[0] == kmods.kernel
     assert info["parmtype"] == ["greeting:charp"]
-    assert kmod.modinfo(kmods_v2.user)["version"] == ["2.0"]
-    assert kmod.modinfo(kmods.base)["depends"] == [""]
+    assert modfiles.modinfo(kmods_v2.user)["version"] == ["2.0"]
+    assert modfiles.modinfo(kmods.base)["depends"] == [""]
 
 
 def test_modinfo_reads_compressed_modules(tmp_path: Path, kmods: BuiltKmods) -> None:
@@ -140,11 +140,11 @@ def test_modinfo_reads_compressed_modules(tmp_path: Path, kmods: BuiltKmods) -> 
     xz.write_bytes(lzma.compress(kmods.user.read_bytes(), check=lzma.CHECK_CRC32))
     gz = tmp_path / "kvcd_user.ko.gz"
     gz.write_bytes(gzip.compress(kmods.user.read_bytes()))
-    assert kmod.modinfo(xz) == kmod.modinfo(gz) == kmod.modinfo(kmods.user)
+    assert modfiles.modinfo(xz) == modfiles.modinfo(gz) == modfiles.modinfo(kmods.user)
     if shutil.which("zstd"):  # read through `modinfo -0`
         zst = tmp_path / "kvcd_user.ko.zst"
         run(["zstd", "-q", str(kmods.user), "-o", str(zst)])
-        assert kmod.modinfo(zst) == kmod.modinfo(kmods.user)
+        assert modfiles.modinfo(zst) == modfiles.modinfo(kmods.user)
 
 
 def test_switching_versions_changes_what_depmod_resolves(
@@ -155,31 +155,31 @@ def test_switching_versions_changes_what_depmod_resolves(
     make_system(root, k)
     v1 = make_store(root, "1.0", k, [kmods.base, kmods.user])
     v2 = make_store(root, "2.0", k, [kmods_v2.base, kmods_v2.user])
-    tree = kmod.prepare_kernel_tree(root, k)
+    tree = modtree.prepare_kernel_tree(root, k)
 
     def resolved() -> list[tuple[str, str]]:
         """(path in the tree, MODULE_VERSION of the file it leads to) in load order."""
         paths = kmod.show_depends(root, k, "kvcd_user")
-        return [(os.path.relpath(p, tree), kmod.modinfo(Path(p))["version"][0]) for p in paths]
+        return [(os.path.relpath(p, tree), modfiles.modinfo(Path(p))["version"][0]) for p in paths]
 
-    assert kmod.activate(root, k, INSTANCE, v1) is None
+    assert modtree.activate(root, k, INSTANCE, v1) is None
     kmod.depmod(root, k)
     v1_deps = resolved()
     assert v1_deps == [("extra/demo/kvcd_base.ko", "1.0"), ("extra/demo/kvcd_user.ko", "1.0")]
 
-    previous = kmod.activate(root, k, INSTANCE, v2)
+    previous = modtree.activate(root, k, INSTANCE, v2)
     assert previous == v1
-    assert kmod.active_store(root, k, INSTANCE) == v2
+    assert modtree.active_store(root, k, INSTANCE) == v2
     kmod.depmod(root, k)
     # Same paths (extra/demo is the indirection), the files behind them are 2.0 now.
     assert resolved() == [("extra/demo/kvcd_base.ko", "2.0"), ("extra/demo/kvcd_user.ko", "2.0")]
 
     # Roll back: switch to what activate() returned.
-    assert kmod.activate(root, k, INSTANCE, previous) == v2
+    assert modtree.activate(root, k, INSTANCE, previous) == v2
     kmod.depmod(root, k)
     assert resolved() == v1_deps
 
-    assert kmod.deactivate(root, k, INSTANCE) == v1
+    assert modtree.deactivate(root, k, INSTANCE) == v1
     kmod.depmod(root, k)
     with pytest.raises(kmod.ModuleNotFound):
         kmod.show_depends(root, k, "kvcd_user")
@@ -190,8 +190,8 @@ def test_depmod_reports_the_unknown_symbol_of_kvcd_bad(tmp_path: Path, kmods: Bu
     k = kmods.kernel
     make_system(root, k)
     store = make_store(root, "1.0", k, [kmods.base, kmods.user, kmods.bad])
-    kmod.prepare_kernel_tree(root, k)
-    kmod.activate(root, k, INSTANCE, store)
+    modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
     # The kernel's exports (headers) + ours: everything but kvcd_bad's symbol resolves.
     symvers = tmp_path / "Module.symvers"
     symvers.write_bytes(kmods.kernel_symvers.read_bytes() + kmods.symvers.read_bytes())
@@ -215,19 +215,19 @@ def test_prepare_kernel_tree_is_idempotent_and_tracks_the_system(
     root = HostRoot(tmp_path)
     k = kmods.kernel
     system = make_system(root, k)
-    tree = kmod.prepare_kernel_tree(root, k)
+    tree = modtree.prepare_kernel_tree(root, k)
     kmod.depmod(root, k)
     before = {p.name: p.stat().st_mtime_ns for p in tree.iterdir()}
-    assert kmod.prepare_kernel_tree(root, k) == tree
+    assert modtree.prepare_kernel_tree(root, k) == tree
     assert {p.name: p.stat().st_mtime_ns for p in tree.iterdir()} == before
 
     (system / "updates").mkdir()
     (system / "modules.order").write_text("kernel/drivers/kvcd/kvcd_base.ko\n")
-    kmod.prepare_kernel_tree(root, k)
+    modtree.prepare_kernel_tree(root, k)
     assert os.readlink(tree / "updates") == str(system / "updates")
     assert (tree / "modules.order").read_text() == "kernel/drivers/kvcd/kvcd_base.ko\n"
     (system / "updates").rmdir()
-    kmod.prepare_kernel_tree(root, k)
+    modtree.prepare_kernel_tree(root, k)
     assert not os.path.lexists(tree / "updates")
 
 
@@ -240,8 +240,8 @@ def test_load_failure_on_a_kernel_without_module_support(tmp_path: Path, kmods: 
     k = kmods.kernel
     make_system(root, k)
     store = make_store(root, "1.0", k, [kmods.base, kmods.user, kmods.bad])
-    kmod.prepare_kernel_tree(root, k)
-    kmod.activate(root, k, INSTANCE, store)
+    modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
     kmod.depmod(root, k)
     with pytest.raises(kmod.ModuleLoadError) as info:
         kmod.load(root, k, "kvcd_bad")

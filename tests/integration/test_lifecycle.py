@@ -20,7 +20,7 @@ from kvcd.core.actions import Activate
 from kvcd.core.plan import Plan
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
-from kvcd.host import kmod
+from kvcd.host import kmod, modfiles
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import Podman
 from tests import fakehost
@@ -98,7 +98,7 @@ def test_build_extract_activate_depmod_resolves_in_dependency_order(
     assert manifest["modules"]["kvcd_user"]["vermagic"] == node.kernel
     assert (
         manifest["modules"]["kvcd_base"]["srcversion"]
-        == kmod.modinfo(node.kmods.base)["srcversion"][0]
+        == modfiles.modinfo(node.kmods.base)["srcversion"][0]
     )
 
     # The dry-run plan of a load: no image work left, activate, then load in order.

@@ -23,7 +23,7 @@ from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
 from kvcd.daemon import nextkernel
 from kvcd.daemon.observe import desired_for, observe, read_manifest, store_dir
-from kvcd.host import kmod
+from kvcd.host import kmod, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 from tests.integration.kmods import BuiltKmods, compiled_kmods_or_skip
@@ -102,8 +102,8 @@ def installed(root: HostRoot, kernel: str) -> Path:
 def test_install_is_a_copy_in_the_system_tree(system_root: HostRoot, kmods: BuiltKmods) -> None:
     root, a = system_root, kmods.kernel
     source = extracted(root, kmods)
-    kmod.prepare_kernel_tree(root, a)
-    assert kmod.activate(root, a, INSTANCE, source) is None
+    modtree.prepare_kernel_tree(root, a)
+    assert modtree.activate(root, a, INSTANCE, source) is None
     kmod.depmod(root, a)
 
     copy = installed(root, a)
@@ -112,7 +112,7 @@ def test_install_is_a_copy_in_the_system_tree(system_root: HostRoot, kmods: Buil
         st = os.lstat(ko)
         assert stat.S_ISREG(st.st_mode) and not os.path.samefile(ko, source / ko.name)
         assert ko.read_bytes() == (source / ko.name).read_bytes()
-    assert kmod.active_store(root, a, INSTANCE) == source
+    assert modtree.active_store(root, a, INSTANCE) == source
     # The system's own depmod configuration: kvcd writes no search order of its own there.
     assert not kmod.depmod_conf(root).exists() and not (root.state / "modules/depmod.d").exists()
     both = [str(copy / "kvcd_base.ko"), str(copy / "kvcd_user.ko")]
@@ -121,10 +121,10 @@ def test_install_is_a_copy_in_the_system_tree(system_root: HostRoot, kmods: Buil
     v2 = store_dir(root, INSTANCE, "2.0", a)
     v2.mkdir(parents=True)
     (v2 / "kvcd_base.ko").write_bytes(kmods.base.read_bytes())
-    assert kmod.activate(root, a, INSTANCE, v2) == source
+    assert modtree.activate(root, a, INSTANCE, v2) == source
     assert sorted(p.name for p in copy.iterdir()) == [".kvcd-store", "kvcd_base.ko"]
     # Deactivate: gone, and no staging directory left beside it.
-    assert kmod.deactivate(root, a, INSTANCE) == v2
+    assert modtree.deactivate(root, a, INSTANCE) == v2
     assert os.listdir(copy.parent) == []
 
 
@@ -137,8 +137,8 @@ def test_staging_is_outside_every_kernel_directory(
     leftover = root.kernel_dirs / f".kvcd-{a}-{INSTANCE}.new"
     leftover.mkdir(parents=True)
     (leftover / "kvcd_user.ko").write_bytes(b"half")
-    kmod.prepare_kernel_tree(root, a)
-    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    modtree.prepare_kernel_tree(root, a)
+    modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     assert os.listdir(root.kernel_dirs) == [a]
     assert os.listdir(root.kernel_dir(a) / "extra") == [INSTANCE]
 
@@ -151,7 +151,7 @@ def test_a_directory_kvcd_did_not_install_is_left_alone(
     foreign.mkdir(parents=True)
     (foreign / "vendor.ko").write_bytes(b"x")
     with pytest.raises(kmod.KmodError, match="was not installed by kvcd"):
-        kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+        modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     assert (foreign / "vendor.ko").read_bytes() == b"x"
 
 
@@ -165,8 +165,8 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
     make_kernel(root, B, kmods.kernel_symvers.read_text())
     monkeypatch.setenv("WM_COMPATIBLE", B)
     source = extracted(root, kmods)
-    kmod.prepare_kernel_tree(root, a)
-    kmod.activate(root, a, INSTANCE, source)
+    modtree.prepare_kernel_tree(root, a)
+    modtree.activate(root, a, INSTANCE, source)
     kmod.depmod(root, a)
     copy = installed(root, a)
     files = f"{copy / 'kvcd_base.ko'}\n{copy / 'kvcd_user.ko'}"
@@ -197,7 +197,7 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
     steps = plan_load(d, observe(root, d)).actions
     assert not [s for s in steps if isinstance(s, (AcquireImage, Extract))], steps
     # Uninstalling from A tells weak-modules, which takes B's links away.
-    kmod.deactivate(root, a, INSTANCE)
+    modtree.deactivate(root, a, INSTANCE)
     assert weak_modules.read_text() == f"{calls}--remove-modules --no-initramfs\n{files}\n"
     assert not any(weak.iterdir())
 
@@ -206,13 +206,13 @@ def test_a_version_without_a_module_tells_weak_modules_it_is_gone(
     system_root: HostRoot, kmods: BuiltKmods, weak_modules: Path
 ) -> None:
     root, a = system_root, kmods.kernel
-    kmod.prepare_kernel_tree(root, a)
-    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    modtree.prepare_kernel_tree(root, a)
+    modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     v2 = store_dir(root, INSTANCE, "2.0", a)
     v2.mkdir(parents=True)
     (v2 / "kvcd_base.ko").write_bytes(kmods.base.read_bytes())
     weak_modules.write_text("")
-    kmod.activate(root, a, INSTANCE, v2)
+    modtree.activate(root, a, INSTANCE, v2)
     copy = installed(root, a)
     assert weak_modules.read_text() == (
         f"--remove-modules --no-initramfs\n{copy / 'kvcd_user.ko'}\n"
@@ -229,8 +229,8 @@ def test_weak_modules_linking_nothing_means_a_build(
     believes the links, not itself, and takes the build path (here: podman down)."""
     root, a = system_root, kmods.kernel
     make_kernel(root, B, kmods.kernel_symvers.read_text())
-    kmod.prepare_kernel_tree(root, a)
-    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    modtree.prepare_kernel_tree(root, a)
+    modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
     out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
     assert out.state == "failed", out
@@ -249,10 +249,10 @@ def test_without_weak_modules_kvcd_links_the_system_tree_itself(
 ) -> None:
     """A Debian-like host: no weak-modules, so kvcd's own weak-updates link, in /lib/modules."""
     root, a = system_root, kmods.kernel
-    assert kmod.weak_modules_command() is None
+    assert modtree.weak_modules_command() is None
     make_kernel(root, B, kmods.kernel_symvers.read_text())
-    kmod.prepare_kernel_tree(root, a)
-    kmod.activate(root, a, INSTANCE, extracted(root, kmods))
+    modtree.prepare_kernel_tree(root, a)
+    modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
     out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
     assert out == nextkernel.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
@@ -265,7 +265,7 @@ def test_kvcd_mode_is_unchanged(tmp_path: Path, kmods: BuiltKmods) -> None:
     """The default tree: the system's /lib/modules is never written."""
     root = HostRoot(tmp_path / "host")
     system = make_kernel(root, kmods.kernel, None)
-    kmod.prepare_kernel_tree(root, kmods.kernel)
-    kmod.activate(root, kmods.kernel, INSTANCE, extracted(root, kmods))
+    modtree.prepare_kernel_tree(root, kmods.kernel)
+    modtree.activate(root, kmods.kernel, INSTANCE, extracted(root, kmods))
     assert not (system / "extra").exists()
     assert dataclasses.replace(root, system_tree=True).kernel_dir(kmods.kernel) == system

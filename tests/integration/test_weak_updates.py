@@ -27,7 +27,7 @@ from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
 from kvcd.daemon import nextkernel
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
-from kvcd.host import files, kmod
+from kvcd.host import files, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import PodmanUnavailable
@@ -107,7 +107,7 @@ def modprobe_paths(root: HostRoot, kernel: str, name: str) -> list[str]:
 
 
 def vermagic(path: str) -> str:
-    return kmod.modinfo(Path(path))["vermagic"][0].split()[0]
+    return modfiles.modinfo(Path(path))["vermagic"][0].split()[0]
 
 
 def test_compatible_next_kernel_resolves_the_modules_built_for_a(
@@ -123,8 +123,8 @@ def test_compatible_next_kernel_resolves_the_modules_built_for_a(
 
     assert out == nextkernel.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
     tree = root.kernel_dir(B)
-    assert kmod.weak_updates_store(root, B, INSTANCE) == store_dir(root, INSTANCE, "1.0", B)
-    assert kmod.active_store(root, B, INSTANCE) is None  # extra/ stays for real builds for B
+    assert modtree.weak_updates_store(root, B, INSTANCE) == store_dir(root, INSTANCE, "1.0", B)
+    assert modtree.active_store(root, B, INSTANCE) is None  # extra/ stays for real builds for B
     # kmod's own answer: B resolves both modules, from weak-updates, as built for A.
     paths = modprobe_paths(root, B, "kvcd_user")
     weak = tree / "weak-updates" / INSTANCE
@@ -176,7 +176,7 @@ def test_weak_updates_rank_last(tmp_path: Path, kmods: BuiltKmods, other: str, w
         built = tmp_path / "built-for-b"
         built.mkdir()
         shutil.copy(kmods.base, built / "kvcd_base.ko")
-        kmod.activate(root, B, INSTANCE, built)
+        modtree.activate(root, B, INSTANCE, built)
         kmod.depmod(root, B)
     paths = modprobe_paths(root, B, "kvcd_base")
     assert paths == [str(root.kernel_dir(B) / wins)]

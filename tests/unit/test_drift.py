@@ -37,7 +37,7 @@ from kvcd.daemon.events import HOLD, SKIP, Context, Event
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import journal, kmod
+from kvcd.host import journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.paths import HostRoot
 from kvcd.host.udev import ModuleEvent, module_event
@@ -327,7 +327,7 @@ def _other_instance_depmod(r: Rig) -> None:
     other = r.root.store("other") / "1" / K
     other.mkdir(parents=True)
     (other / "other_mod.ko").write_bytes(b"other")
-    kmod.activate(r.root, K, "other", other)
+    modtree.activate(r.root, K, "other", other)
     kmod.depmod(r.root, K)
 
 
@@ -488,7 +488,7 @@ def _installed(r: Rig) -> Path:
 def _marker_outside(r: Rig) -> None:
     elsewhere = r.root("/tmp/elsewhere")
     shutil.copytree(r.tree, elsewhere)
-    (_installed(r) / kmod.STORE_MARKER).write_text(f"{elsewhere}\n")
+    (_installed(r) / modtree.STORE_MARKER).write_text(f"{elsewhere}\n")
 
 
 SYSTEM_MUTATIONS: list[Any] = [
@@ -516,14 +516,14 @@ SYSTEM_MUTATIONS: list[Any] = [
         lambda r: os.utime(_installed(r) / "kvcd_base.ko", (1, 1)), None, id="installed-touch"
     ),
     pytest.param(
-        lambda r: (_installed(r) / kmod.STORE_MARKER).unlink(),
-        (core.MISSING, kmod.STORE_MARKER),
+        lambda r: (_installed(r) / modtree.STORE_MARKER).unlink(),
+        (core.MISSING, modtree.STORE_MARKER),
         id="marker-deleted",
     ),
-    pytest.param(_marker_outside, (core.CONTENT, kmod.STORE_MARKER), id="marker-elsewhere"),
+    pytest.param(_marker_outside, (core.CONTENT, modtree.STORE_MARKER), id="marker-elsewhere"),
     pytest.param(
         lambda r: shutil.rmtree(_installed(r)),
-        (core.MISSING, kmod.STORE_MARKER),
+        (core.MISSING, modtree.STORE_MARKER),
         id="installed-copy-removed",
     ),
     pytest.param(
@@ -554,7 +554,7 @@ def test_system_tree_force_file_never_removes_a_directory_kvcd_did_not_install(
     system_host: HostRoot,
 ) -> None:
     r = Rig(system_host)
-    kmod.deactivate(system_host, K, NAME)
+    modtree.deactivate(system_host, K, NAME)
     foreign = _installed(r)
     foreign.mkdir()
     (foreign / "vendor.ko").write_bytes(b"a package's module")
@@ -578,7 +578,7 @@ def test_system_tree_force_file_drops_the_copy_and_its_tree(system_host: HostRoo
     assert not _installed(r).exists() and not r.tree.exists()
     store(system_host, "1.0", MODS)  # what the plan's Extract writes again
     r.mon.after(r.ctx, r.inst.apply("load"))
-    assert (_installed(r) / kmod.STORE_MARKER).read_text() == f"{r.tree}\n"
+    assert (_installed(r) / modtree.STORE_MARKER).read_text() == f"{r.tree}\n"
     assert r.verdict() is None
 
 
@@ -703,20 +703,18 @@ B = "6.1.0-9001-amd64"  # another kernel in the module root (a next kernel, or a
 
 def _prepare_b(r: Rig) -> None:
     """What the next-kernel preparation leaves for B: B's module tree, no extra/<instance>."""
-    from kvcd.host import kmod
 
     (r.root.system_modules(B) / "kernel").mkdir(parents=True)
     (r.root.system_modules(B) / "modules.builtin").write_text("")
-    kmod.prepare_kernel_tree(r.root, B)
+    modtree.prepare_kernel_tree(r.root, B)
 
 
 def _activate_b(r: Rig) -> None:
     """kvcd itself activated the instance on B (a start on B, or a build ahead) and recorded it."""
-    from kvcd.host import kmod
 
     _prepare_b(r)
     d = store(r.root, "1.0", MODS, kernel=B)
-    kmod.activate(r.root, B, NAME, d)
+    modtree.activate(r.root, B, NAME, d)
     r.mon.after(r.b_ctx(), r.record)
 
 

@@ -19,7 +19,7 @@ from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
-from kvcd.host import kmod
+from kvcd.host import modfiles, modtree
 from kvcd.host.paths import HostRoot
 from kvcd.host.podman import ImageInfo, PodmanError, PodmanUnavailable
 from tests import fakehost
@@ -90,7 +90,7 @@ def instance_host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.Monkey
             "srcversion": [str(abs(hash(data)))[:12]],
         }
 
-    monkeypatch.setattr(kmod, "modinfo", fake_modinfo)
+    monkeypatch.setattr(modfiles, "modinfo", fake_modinfo)
     return root
 
 
@@ -213,7 +213,7 @@ def test_upgrade_that_fails_to_load_rolls_back_to_previous_version(host: HostRoo
     )
     # kvcd_user failed, so it is the one the rollback could not bring back: it is named.
     assert "rollback incomplete" in err.value.detail
-    assert kmod.active_store(host, K, "e2e") == host.store("e2e") / "1.0" / K
+    assert modtree.active_store(host, K, "e2e") == host.store("e2e") / "1.0" / K
     rec = Record.read(host, "e2e")
     assert (
         rec is not None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import kmod, kmsg
+from kvcd.host import kmod, kmsg, modfiles, modtree
 from kvcd.host.paths import HostRoot
 from tests.conftest import FakeCommands
 
@@ -99,7 +99,7 @@ def test_read_module_absent(root: HostRoot) -> None:
 
 def test_prepare_kernel_tree_mirrors_the_system(root: HostRoot) -> None:
     system = make_system(root)
-    tree = kmod.prepare_kernel_tree(root, K)
+    tree = modtree.prepare_kernel_tree(root, K)
     assert tree == root.kernel_dir(K)
     assert os.readlink(tree / "kernel") == str(system / "kernel")
     assert not os.path.lexists(tree / "build")
@@ -109,21 +109,21 @@ def test_prepare_kernel_tree_mirrors_the_system(root: HostRoot) -> None:
     assert not (tree / "modules.builtin.modinfo").exists()
 
     # Idempotent, and follows the system: new dirs appear, vanished ones and files go.
-    assert kmod.prepare_kernel_tree(root, K) == tree
+    assert modtree.prepare_kernel_tree(root, K) == tree
     (system / "updates").mkdir()
     (system / "modules.order").unlink()
-    kmod.prepare_kernel_tree(root, K)
+    modtree.prepare_kernel_tree(root, K)
     assert os.readlink(tree / "updates") == str(system / "updates")
     assert not (tree / "modules.order").exists()
     (system / "updates").rmdir()
-    kmod.prepare_kernel_tree(root, K)
+    modtree.prepare_kernel_tree(root, K)
     assert not os.path.lexists(tree / "updates")
     assert sorted(p.name for p in tree.iterdir()) == ["extra", "kernel", "modules.builtin"]
 
 
 def test_prepare_kernel_tree_without_the_system_modules(root: HostRoot) -> None:
     with pytest.raises(kmod.KernelTreeMissing) as info:
-        kmod.prepare_kernel_tree(root, K)
+        modtree.prepare_kernel_tree(root, K)
     assert info.value.kernel == K
     assert str(root.system_modules(K)) in str(info.value)
     assert K in str(info.value)
@@ -131,42 +131,42 @@ def test_prepare_kernel_tree_without_the_system_modules(root: HostRoot) -> None:
 
 def test_activate_switch_and_roll_back(root: HostRoot) -> None:
     make_system(root)
-    tree = kmod.prepare_kernel_tree(root, K)
+    tree = modtree.prepare_kernel_tree(root, K)
     v1, v2 = make_store(root, "1.0"), make_store(root, "2.0")
     link = tree / "extra" / "demo"
 
-    assert kmod.active_store(root, K, "demo") is None
-    assert kmod.activate(root, K, "demo", v1) is None
+    assert modtree.active_store(root, K, "demo") is None
+    assert modtree.activate(root, K, "demo", v1) is None
     assert os.readlink(link) == str(v1)
     assert (link / "kvcd_user.ko").exists()
 
-    previous = kmod.activate(root, K, "demo", v2)
+    previous = modtree.activate(root, K, "demo", v2)
     assert previous == v1
-    assert kmod.active_store(root, K, "demo") == v2
+    assert modtree.active_store(root, K, "demo") == v2
 
-    assert kmod.activate(root, K, "demo", previous) == v2  # rollback = switch back
-    assert kmod.active_store(root, K, "demo") == v1
-    assert kmod.activate(root, K, "demo", v1) == v1  # no-op
+    assert modtree.activate(root, K, "demo", previous) == v2  # rollback = switch back
+    assert modtree.active_store(root, K, "demo") == v1
+    assert modtree.activate(root, K, "demo", v1) == v1  # no-op
     assert sorted(os.listdir(tree / "extra")) == ["demo"]  # no tmp links left behind
 
-    assert kmod.deactivate(root, K, "demo") == v1
+    assert modtree.deactivate(root, K, "demo") == v1
     assert not os.path.lexists(link)
-    assert kmod.deactivate(root, K, "demo") is None
+    assert modtree.deactivate(root, K, "demo") is None
 
 
 def test_activate_errors_name_what_is_wrong(root: HostRoot) -> None:
     make_system(root)
     missing = root.store("demo") / "9.9" / K
     with pytest.raises(kmod.KmodError, match="prepare the module tree for kernel"):
-        kmod.activate(root, K, "demo", make_store(root, "1.0"))
-    kmod.prepare_kernel_tree(root, K)
+        modtree.activate(root, K, "demo", make_store(root, "1.0"))
+    modtree.prepare_kernel_tree(root, K)
     with pytest.raises(kmod.StoreMissing, match=rf"cannot activate demo for kernel {K}: .*9\.9"):
-        kmod.activate(root, K, "demo", missing)
+        modtree.activate(root, K, "demo", missing)
     (root.kernel_dir(K) / "extra" / "other").mkdir()
     with pytest.raises(kmod.KmodError, match="extra/other is not a symlink"):
-        kmod.active_store(root, K, "other")
+        modtree.active_store(root, K, "other")
     with pytest.raises(ValueError, match="invalid instance name"):
-        kmod.activate(root, K, "../x", make_store(root, "2.0"))
+        modtree.activate(root, K, "../x", make_store(root, "2.0"))
 
 
 # --- fake commands ---------------------------------------------------------------------------
@@ -461,23 +461,23 @@ def test_modinfo_reads_the_section(tmp_path: Path) -> None:
         "alias": ["a", "b"],
         "parmtype": ["greeting:charp"],
     }
-    assert kmod.modinfo(ko) == expected
+    assert modfiles.modinfo(ko) == expected
     xz = tmp_path / "kvcd_user.ko.xz"
     xz.write_bytes(lzma.compress(ko.read_bytes()))
-    assert kmod.modinfo(xz) == expected
+    assert modfiles.modinfo(xz) == expected
 
 
 def test_modinfo_errors_name_the_file(tmp_path: Path) -> None:
     junk = tmp_path / "junk.ko"
     junk.write_bytes(b"not an elf file at all")
     with pytest.raises(kmod.ModinfoError, match=r"junk\.ko"):
-        kmod.modinfo(junk)
+        modfiles.modinfo(junk)
     with pytest.raises(kmod.ModinfoError, match=r"missing\.ko"):
-        kmod.modinfo(tmp_path / "missing.ko")
+        modfiles.modinfo(tmp_path / "missing.ko")
     broken_xz = tmp_path / "b.ko.xz"
     broken_xz.write_bytes(b"garbage")
     with pytest.raises(kmod.ModinfoError, match=r"b\.ko\.xz"):
-        kmod.modinfo(broken_xz)
+        modfiles.modinfo(broken_xz)
 
 
 # --- kmsg ------------------------------------------------------------------------------------
@@ -540,7 +540,7 @@ def test_modinfo_of_zstd_modules_asks_modinfo(tmp_path: Path, fake_commands: Fak
         "parm:           untyped:Just text\\0"
     )
     fake_commands.add("modinfo", f"printf {shlex.quote(out)}\n")
-    assert kmod.modinfo(zst) == {
+    assert modfiles.modinfo(zst) == {
         "version": ["1.0"],
         "vermagic": ["6.1.0-56-amd64 SMP mod_unload "],
         "parm": ["greeting:Text shown (in /proc)", "untyped:Just text"],
@@ -554,7 +554,7 @@ def test_modinfo_of_zstd_modules_failure(tmp_path: Path, fake_commands: FakeComm
         "modinfo", "echo \"modinfo: ERROR: could not get modinfo from 'a'\" >&2\nexit 1\n"
     )
     with pytest.raises(kmod.ModinfoError, match=r"a\.ko\.zst: modinfo: ERROR"):
-        kmod.modinfo(tmp_path / "a.ko.zst")
+        modfiles.modinfo(tmp_path / "a.ko.zst")
 
 
 def test_read_only_system_tree_says_what_to_do(
@@ -570,7 +570,7 @@ def test_read_only_system_tree_says_what_to_do(
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(kmod.KmodError) as exc:
-        kmod.prepare_kernel_tree(root, "6.1.0-56-amd64")
+        modtree.prepare_kernel_tree(root, "6.1.0-56-amd64")
     assert str(exc.value).startswith(
         f"cannot write {root.system_modules('6.1.0-56-amd64') / 'extra'}: Read-only file system"
     )

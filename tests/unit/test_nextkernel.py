@@ -23,7 +23,7 @@ from kvcd.daemon.events import SKIP, Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
 from kvcd.daemon.record import Record
-from kvcd.host import journal, kmod
+from kvcd.host import journal, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 from tests import fakehost
@@ -48,7 +48,7 @@ def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) ->
         data = path.read_bytes().decode()
         return {"vermagic": [f"{data.rsplit(':', 1)[-1]} SMP"], "srcversion": ["abc"]}
 
-    monkeypatch.setattr(kmod, "modinfo", fake_modinfo)
+    monkeypatch.setattr(modfiles, "modinfo", fake_modinfo)
     return root
 
 
@@ -145,8 +145,8 @@ def test_prepare(
         return
     assert kernel is not None
     target = store_dir(host, NAME, "1.0", kernel)
-    linked = kmod.weak_updates_store(host, kernel, NAME) if case == "weak" else None
-    active = kmod.active_store(host, kernel, NAME)
+    linked = modtree.weak_updates_store(host, kernel, NAME) if case == "weak" else None
+    active = modtree.active_store(host, kernel, NAME)
     assert (linked or active) == target
     manifest = read_manifest(target)
     assert manifest is not None and manifest["kernel"] == kernel
@@ -170,7 +170,7 @@ def test_failed_build_leaves_no_link_for_the_next_kernel(
     assert out.state == FAILED
     assert out.reason.startswith("BuildFailed: build failed at STEP 2/2")
     assert "kABI-incompatible" in out.reason
-    assert kmod.active_store(host, B, NAME) is None
+    assert modtree.active_store(host, B, NAME) is None
     assert not store_dir(host, NAME, "1.0", B).exists()
 
 
@@ -185,8 +185,8 @@ def test_depmod_failure_undoes_the_weak_link(
     out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
     assert out.state == FAILED
     assert "weak-updates failed: depmod -b" in out.reason
-    assert kmod.weak_updates_store(host, B, NAME) is None
-    assert kmod.active_store(host, B, NAME) is None
+    assert modtree.weak_updates_store(host, B, NAME) is None
+    assert modtree.active_store(host, B, NAME) is None
     assert not list(host.store(NAME).glob(f"1.0/.{B}*"))
 
 
@@ -456,8 +456,8 @@ def test_weak_modules_command(
     stdin = tmp_path / "stdin"
     fake_commands.add("weak-modules", f"cat > '{stdin}'\n")
     mods = [Path(f"/lib/modules/{A}/extra/e2e/kvcd_base.ko"), Path(f"/lib/modules/{A}/x y.ko")]
-    assert kmod.weak_modules_command() == str(fake_commands.bindir / "weak-modules")
-    kmod.weak_modules(mods, add=add, initramfs=initramfs)
+    assert modtree.weak_modules_command() == str(fake_commands.bindir / "weak-modules")
+    modtree.weak_modules(mods, add=add, initramfs=initramfs)
     assert fake_commands.calls() == [["weak-modules", *argv]]
     assert stdin.read_text() == "".join(f"{m}\n" for m in mods)
 
@@ -465,10 +465,10 @@ def test_weak_modules_command(
 def test_weak_modules_errors(fake_commands: Any) -> None:
     fake_commands.add("weak-modules", "echo 'weak-modules: no symvers for 5.14.0' >&2; exit 1\n")
     with pytest.raises(kmod.KmodError, match=r"could not add /x.ko: .*no symvers for 5.14.0"):
-        kmod.weak_modules([Path("/x.ko")], add=True)
+        modtree.weak_modules([Path("/x.ko")], add=True)
     with pytest.raises(ValueError, match="newline"):
-        kmod.weak_modules([Path("/x\n.ko")], add=False)
-    kmod.weak_modules([], add=True)  # nothing to do: not run
+        modtree.weak_modules([Path("/x\n.ko")], add=False)
+    modtree.weak_modules([], add=True)  # nothing to do: not run
     assert len(fake_commands.calls()) == 1
 
 
@@ -531,14 +531,14 @@ def prepared_weak(root: HostRoot, kernel: str, instance: str = NAME) -> Path:
     """A weak-updates tree for `kernel` linked in kvcd's module root, as link_weak leaves it."""
     tree = fakehost.store_version(root, instance, "1.0", kernel, ["kvcd_base", "kvcd_user"])
     root.kernel_dir(kernel).mkdir(parents=True, exist_ok=True)
-    kmod.link_weak_updates(root, kernel, instance, tree)
+    modtree.link_weak_updates(root, kernel, instance, tree)
     return tree
 
 
 def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     running = running_extraction(host)
-    kmod.prepare_kernel_tree(host, A)
-    kmod.activate(host, A, NAME, running)
+    modtree.prepare_kernel_tree(host, A)
+    modtree.activate(host, A, NAME, running)
     old_version = fakehost.store_version(host, NAME, "0.9", A, ["kvcd_base"])  # kept
     next_tree = prepared_weak(host, B)
     gone_tree = prepared_weak(host, C)  # was the next kernel; its package is gone now
@@ -553,8 +553,8 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
         f"{host.kernel_dir(C)} (kernel {C} not installed)",
     ]
     assert old_version.is_dir()  # going back to 0.9 needs no podman
-    assert running.is_dir() and kmod.active_store(host, A, NAME) == running
-    assert next_tree.is_dir() and kmod.weak_updates_store(host, B, NAME) == next_tree
+    assert running.is_dir() and modtree.active_store(host, A, NAME) == running
+    assert next_tree.is_dir() and modtree.weak_updates_store(host, B, NAME) == next_tree
     assert not host.kernel_dir(C).exists()
     assert not driftstore.depmod_record_path(host, C).exists()
     assert storegc.collect(host, config(host), A, B) == []  # idempotent
@@ -566,7 +566,7 @@ def test_clean_up_keeps_trees_other_instances_link(host: HostRoot) -> None:
     theirs = prepared_weak(host, C, instance="other")
     removed = storegc.collect(host, config(host), A, None)
     assert removed == [f"{store_dir(host, NAME, '1.0', C)} (kernel {C} not installed)"]
-    assert kmod.weak_updates_store(host, C, "other") == theirs  # not this instance's to drop
+    assert modtree.weak_updates_store(host, C, "other") == theirs  # not this instance's to drop
     assert host.kernel_dir(C).is_dir()
 
 
@@ -658,7 +658,7 @@ def test_clean_up_in_the_system_tree_never_removes_a_lib_modules_directory(
     gone = fakehost.store_version(host, NAME, "1.0", C, ["kvcd_base"])
     (host.system_modules(C) / "extra").mkdir(parents=True)  # no modules.builtin: not installed
     (host.system_modules(C) / "extra" / "dkms-leftover.ko").write_bytes(b"x")
-    kmod.activate(system, C, NAME, gone)
+    modtree.activate(system, C, NAME, gone)
     assert (host.system_modules(C) / "extra" / NAME / ".kvcd-store").is_file()
     removed = storegc.collect(system, config(host), A, None)
     assert removed == [f"{gone} (kernel {C} not installed)"]

@@ -14,7 +14,7 @@ from kvcd.config.model import ConfigError
 from kvcd.core.storegc import Tree, stale, stale_kernel_trees, unconfigured
 from kvcd.daemon import driftcheck, driftstore
 from kvcd.daemon import storegc as gc
-from kvcd.host import files, kmod
+from kvcd.host import files, kmod, modtree
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -85,13 +85,13 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
     pick its module for another instance's module of the same name (the shadowing the guest
     saw between e2e-dev and e2e-kmod, both shipping kvcd_base)."""
     root = fakehost.fake_host(HostRoot(tmp_path), A, fake_commands, monkeypatch)
-    kdir = kmod.prepare_kernel_tree(root, A)
-    (kdir / kmod.WEAK_UPDATES).mkdir(exist_ok=True)
+    kdir = modtree.prepare_kernel_tree(root, A)
+    (kdir / modtree.WEAK_UPDATES).mkdir(exist_ok=True)
     for name in ("kept", "gone"):
         mods = ["kvcd_base" if name == "gone" else "x"]
         store = fakehost.store_version(root, name, "1.0", A, mods)
-        kmod.activate(root, A, name, store)
-    (kdir / kmod.WEAK_UPDATES / "gone").symlink_to(root.store("gone") / "1.0" / A)
+        modtree.activate(root, A, name, store)
+    (kdir / modtree.WEAK_UPDATES / "gone").symlink_to(root.store("gone") / "1.0" / A)
     fakehost.write_config(root, "kept", 'version = "1.0"\nmodules = ["x"]\nimage = "i"\n')
     kmod.depmod(root, A)
     assert "extra/gone/kvcd_base.ko" in (kdir / "modules.dep").read_text()
@@ -103,7 +103,7 @@ def test_a_removed_instance_leaves_nothing_resolvable_in_the_module_root(
 
     assert removed == ["gone"]
     assert sorted(os.listdir(kdir / "extra")) == ["kept"]
-    assert not (kdir / kmod.WEAK_UPDATES / "gone").is_symlink()
+    assert not (kdir / modtree.WEAK_UPDATES / "gone").is_symlink()
     assert "kvcd_base" not in (kdir / "modules.dep").read_text()  # re-indexed
     assert (root.store("gone") / "1.0" / A).is_dir()  # its store is not kvcd's to judge here
     # kvcd's own removal is no drift when the instance is configured again: the expectation
@@ -119,8 +119,8 @@ def test_nothing_is_removed_when_the_configured_set_is_unknown(
     tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = fakehost.fake_host(HostRoot(tmp_path), A, fake_commands, monkeypatch)
-    kdir = kmod.prepare_kernel_tree(root, A)
-    kmod.activate(root, A, "x", fakehost.store_version(root, "x", "1.0", A, ["m"]))
+    kdir = modtree.prepare_kernel_tree(root, A)
+    modtree.activate(root, A, "x", fakehost.store_version(root, "x", "1.0", A, ["m"]))
 
     def unlisted(_root: HostRoot) -> list[str]:
         raise ConfigError("/etc/kvcd/instances", "cannot list instances")
