@@ -139,7 +139,7 @@ class Executor:
 
     # -- images --------------------------------------------------------------------------------
     def _acquire(self, a: AcquireImage) -> None:
-        from kvcd.host.podman import BuildSpec, PodmanError, PodmanUnavailable
+        from kvcd.host.podtypes import BuildSpec, PodmanError, PodmanUnavailable
 
         try:
             cached = self.podman.get_image(a.tag)
@@ -251,7 +251,7 @@ class Executor:
         return f"for {', '.join(wrong)}" if wrong else None
 
     def _extract(self, a: Extract) -> None:
-        from kvcd.host.podman import PodmanError, PodmanUnavailable
+        from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
         dest = store_dir(self.root, self.cfg.name, a.version, a.kernel)
         if dest.exists():  # an earlier extraction that never got its manifest
@@ -304,7 +304,7 @@ class Executor:
         return {"version": a.version, "kernel": a.kernel, "image": a.tag, "modules": modules}
 
     def _collect(self, keep: int) -> None:
-        from kvcd.host.podman import PodmanError, PodmanUnavailable
+        from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
         try:
             removed = self.podman.gc(self.cfg.name, keep, protect=())

@@ -16,104 +16,49 @@ memory, and high-level errors lose the difference between "no answer" and "answe
 
 from __future__ import annotations
 
-import collections
-import fnmatch
 import glob
 import io
 import json
 import logging
 import os
 import posixpath
-import re
 import shutil
-import stat
-import tarfile
 import tempfile
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
-from typing import IO, Any, cast
+from pathlib import Path
+from typing import Any, cast
 
 import requests
 from podman.api import APIClient
 
-from kvcd.host import failpoint
+from kvcd.host.podbuild import (
+    Body,
+    BuildLog,
+    build_request,
+    context_kind,
+)
+from kvcd.host.podtypes import (
+    CHUNK,
+    DEFAULT_URL,
+    EXTRACT_PID_LABEL,
+    EXTRACT_ROLE_LABEL,
+    INSTANCE_LABEL,
+    MODULE_PATTERNS,
+    BuildSpec,
+    ImageInfo,
+    ImageInUse,
+    PodmanError,
+    PodmanUnavailable,
+    image_info,
+)
+from kvcd.host.tarstream import (
+    ChunkReader,
+    extract_members,
+    replace_dir,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_URL = "unix:///run/podman/podman.sock"
-
-INSTANCE_LABEL = "io.kvcd.instance"
-VERSION_LABEL = "io.kvcd.version"
-KERNEL_LABEL = "io.kvcd.kernel"
-# On extraction containers: their role, and the pid of the kvcd process that created them.
-EXTRACT_ROLE_LABEL = "io.kvcd.role"
-EXTRACT_PID_LABEL = "io.kvcd.pid"
-
-MODULE_PATTERNS: tuple[str, ...] = ("*.ko", "*.ko.xz", "*.ko.gz", "*.ko.zst")
-TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".tar.bz2", ".tar.zst")
-
-_TAIL_LINES = 20
-_IMAGE_ID = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
-_CHUNK = 1 << 16
-
-
-class PodmanUnavailable(Exception):
-    """The podman API did not answer (socket missing, refused, timed out): retry later."""
-
-
-class PodmanError(Exception):
-    """The podman API answered but the operation failed: permanent for this input."""
-
-
-class ImageInUse(PodmanError):
-    """An image cannot be removed because a container uses it."""
-
-
-@dataclass(frozen=True)
-class ImageInfo:
-    """One image in the store. ``created`` is seconds since the epoch (sub-second precision)."""
-
-    id: str
-    tags: tuple[str, ...]
-    labels: Mapping[str, str]
-    created: float
-
-    @property
-    def instance(self) -> str | None:
-        return self.labels.get(INSTANCE_LABEL)
-
-    @property
-    def version(self) -> str | None:
-        return self.labels.get(VERSION_LABEL)
-
-    @property
-    def kernel(self) -> str | None:
-        return self.labels.get(KERNEL_LABEL)
-
-
-@dataclass(frozen=True)
-class BuildSpec:
-    """What to build.
-
-    ``context`` is one of: a local directory; a local tarball (``.tar``, ``.tar.gz``, ``.tgz``,
-    ``.tar.xz``, ``.tar.bz2``, ``.tar.zst``), sent as is; an ``https://`` git URL whose path ends
-    in ``.git`` (optionally ``#ref``, passed to buildah as is), cloned by the podman service
-    (which needs ``git`` on its host); or an ``https://`` URL of a tarball, which the service
-    downloads.
-    ``containerfile`` is relative to the context root; for a local directory it may also be an
-    absolute path anywhere (it is then sent along with the context). ``tag`` is set only when
-    the build succeeded. kvcd passes KVER and KMODVER in ``build_args`` and the ``io.kvcd.*``
-    labels in ``labels``.
-    """
-
-    context: str
-    containerfile: str
-    tag: str
-    build_args: Mapping[str, str] = field(default_factory=dict)
-    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 class Podman:
@@ -203,7 +148,7 @@ class Podman:
             return None
         if resp.status_code != 200:
             raise self._failure(f"inspect image {ref}", resp)
-        return _image_info(resp.json())
+        return image_info(resp.json())
 
     def _list(self, filters: Mapping[str, Sequence[str]]) -> list[tuple[ImageInfo, int]]:
         """Images matching ``filters``, newest first, each with its number of containers."""
@@ -277,8 +222,8 @@ class Podman:
         result ``spec.tag`` only on success, so a failed build leaves the previous image of
         that tag in place. Raises PodmanError with the last lines of output on failure."""
         kind = context_kind(spec.context)
-        params, chunks, opened = _build_request(spec, kind)
-        body = _Body(chunks)
+        params, chunks, opened = build_request(spec, kind)
+        body = Body(chunks)
         what = f"build {spec.tag} from {spec.context}"
         log.info("%s (%s context)", what, kind)
         try:
@@ -299,7 +244,7 @@ class Podman:
         finally:
             if opened is not None:
                 opened.close()
-        output = _BuildLog(on_line)
+        output = BuildLog(on_line)
         try:
             if resp.status_code != 200:
                 # podman 4.3.1 answers a failed remote fetch with a 500 and then goes on
@@ -359,7 +304,7 @@ class Podman:
                     raise PodmanError(f"{what}: no directory {src} in image {image_ref}")
                 if resp.status_code != 200:
                     raise self._failure(what, resp)
-                reader = io.BufferedReader(_ChunkReader(self._chunks(resp, what)), _CHUNK)
+                reader = io.BufferedReader(ChunkReader(self._chunks(resp, what)), CHUNK)
                 found = extract_members(reader, staging, patterns, source=f"{image_ref}:{src}")
             finally:
                 resp.close()
@@ -367,7 +312,7 @@ class Podman:
                 raise PodmanError(
                     f"no kernel module ({', '.join(patterns)}) under {src} in image {image_ref}"
                 )
-            _replace_dir(staging, dest)
+            replace_dir(staging, dest)
             log.info("%s: %d module file(s) into %s", what, len(found), dest)
             return [dest / path.relative_to(staging) for path in found]
         finally:
@@ -377,7 +322,7 @@ class Podman:
 
     def _chunks(self, resp: requests.Response, what: str) -> Iterator[bytes]:
         try:
-            yield from resp.iter_content(_CHUNK)
+            yield from resp.iter_content(CHUNK)
         except requests.RequestException as exc:
             raise self._unavailable(what, exc) from exc
 
@@ -489,140 +434,6 @@ class Podman:
 # --- pure helpers (no API) --------------------------------------------------------------
 
 
-def context_kind(context: str) -> str:
-    """``"dir"``, ``"tarball"``, ``"git"`` or ``"url"`` (a remote tarball); PodmanError if the
-    context is none of the kinds BuildSpec allows."""
-    if "://" in context:
-        if context.startswith(("git://", "git+https://")):
-            return "git"
-        if not context.startswith("https://"):
-            raise PodmanError(
-                f"build context {context!r}: only https://, git:// and git+https:// URLs "
-                "are accepted"
-            )
-        url_path = context.split("#", 1)[0].split("?", 1)[0]
-        if url_path.endswith(".git"):
-            return "git"
-        if url_path.endswith(TARBALL_SUFFIXES):
-            return "url"
-        raise PodmanError(
-            f"build context {context!r}: a URL must be a git repository (path ending in .git) "
-            f"or a tarball ({', '.join(TARBALL_SUFFIXES)})"
-        )
-    path = Path(context)
-    if path.is_dir():
-        return "dir"
-    if path.is_file() and path.name.endswith(TARBALL_SUFFIXES):
-        return "tarball"
-    if not path.exists():
-        raise PodmanError(f"build context {context} does not exist")
-    raise PodmanError(f"build context {context} is neither a directory nor a tarball")
-
-
-def tar_directory(root: Path, extra: Mapping[str, Path] | None = None) -> Iterator[bytes]:
-    """Stream ``root`` as an uncompressed tar, chunk by chunk (nothing staged on disk, one
-    file's chunk in memory at a time). Regular files, directories and symlinks are sent
-    (owned by root, like podman-remote does); other file types are left out. ``extra`` adds
-    files under the given archive names."""
-
-    def header(name: str, st: os.stat_result, kind: bytes, size: int = 0, link: str = "") -> bytes:
-        info = tarfile.TarInfo(name)
-        info.type = kind
-        info.mode = stat.S_IMODE(st.st_mode)
-        info.mtime = int(st.st_mtime)
-        info.size = size
-        info.linkname = link
-        info.uname = info.gname = "root"
-        return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-
-    def regular(name: str, path: Path, st: os.stat_result) -> Iterator[bytes]:
-        yield header(name, st, tarfile.REGTYPE, st.st_size)
-        left = st.st_size
-        with open(path, "rb") as fh:
-            while left > 0:
-                chunk = fh.read(min(_CHUNK, left))
-                if not chunk:  # shrank while we read: keep the header's promise
-                    chunk = b"\0" * left
-                left -= len(chunk)
-                yield chunk
-        if st.st_size % tarfile.BLOCKSIZE:
-            yield b"\0" * (tarfile.BLOCKSIZE - st.st_size % tarfile.BLOCKSIZE)
-
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel = Path(dirpath).relative_to(root)
-        for name in [*dirnames, *sorted(filenames)]:
-            path = Path(dirpath, name)
-            arcname = (rel / name).as_posix()
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode):
-                yield header(arcname + "/", st, tarfile.DIRTYPE)
-            elif stat.S_ISLNK(st.st_mode):
-                yield header(arcname, st, tarfile.SYMTYPE, link=os.readlink(path))
-            elif stat.S_ISREG(st.st_mode):
-                yield from regular(arcname, path, st)
-            else:
-                log.debug("build context: leaving out %s (not a file, dir or symlink)", path)
-    for arcname, path in (extra or {}).items():
-        yield from regular(arcname, path, os.stat(path))
-    yield b"\0" * (2 * tarfile.BLOCKSIZE)
-
-
-def extract_members(
-    archive: IO[bytes],
-    dest: Path,
-    patterns: Sequence[str] = MODULE_PATTERNS,
-    *,
-    source: str = "archive",
-) -> list[Path]:
-    """Read a tar stream and write each regular file whose name matches one of ``patterns``
-    to ``dest`` (an existing, empty directory) at its relative path. An absolute member name
-    or one with a ``..`` component refuses the whole archive (PodmanError); symlinks, hard
-    links, devices and fifos are never written (a matching one is skipped with a warning).
-    Returns the written files in archive order."""
-    written: list[Path] = []
-    try:
-        with tarfile.open(fileobj=archive, mode="r|*") as tar:
-            for member in tar:
-                rel = _safe_name(member.name, source)
-                if rel is None or member.isdir():
-                    continue
-                if not any(fnmatch.fnmatchcase(rel.name, pat) for pat in patterns):
-                    continue
-                if not member.isreg():
-                    log.warning("%s: skipping %s: not a regular file", source, member.name)
-                    continue
-                target = dest.joinpath(*rel.parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                data = tar.extractfile(member)
-                if data is None:
-                    continue
-                with open(target, "wb") as out:
-                    shutil.copyfileobj(data, out, _CHUNK)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.chmod(target, 0o644)
-                os.utime(target, (member.mtime, member.mtime))
-                if target not in written:
-                    written.append(target)
-                failpoint.hit("extract")
-    except tarfile.TarError as exc:
-        raise PodmanError(f"{source}: unreadable archive: {exc}") from exc
-    except OSError as exc:  # e.g. a file and a directory of the same name, or a full disk
-        raise PodmanError(f"{source}: cannot write into {dest}: {exc}") from exc
-    return written
-
-
-def _safe_name(name: str, source: str) -> PurePosixPath | None:
-    """The member's relative path, None for the archive root; PodmanError if it escapes."""
-    if name.startswith("/"):
-        raise PodmanError(f"{source}: refusing archive member with absolute path {name!r}")
-    parts = [p for p in PurePosixPath(name).parts if p not in ("", ".")]
-    if ".." in parts:
-        raise PodmanError(f"{source}: refusing archive member with '..' in {name!r}")
-    return PurePosixPath(*parts) if parts else None
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -631,137 +442,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _replace_dir(staging: Path, dest: Path) -> None:
-    """Put ``staging`` at ``dest`` (same filesystem), replacing what was there."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(dest, old)
-    os.rename(staging, dest)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _build_request(
-    spec: BuildSpec, kind: str
-) -> tuple[dict[str, Any], Iterator[bytes], IO[bytes] | None]:
-    """The query, the body's chunks and the file to close after sending."""
-    params: dict[str, Any] = {
-        "dockerfile": spec.containerfile,
-        "buildargs": json.dumps(dict(spec.build_args)),
-        "labels": json.dumps(dict(spec.labels)),
-        "rm": True,
-        "forcerm": True,  # no intermediate containers left behind after a failure either
-    }
-    if kind == "dir":
-        root = Path(spec.context)
-        extra: dict[str, Path] = {}
-        containerfile = Path(spec.containerfile)
-        if containerfile.is_absolute():
-            try:
-                params["dockerfile"] = containerfile.relative_to(root).as_posix()
-            except ValueError:  # outside the context: send it along under a name of ours
-                params["dockerfile"] = ".kvcd.Containerfile"
-                extra[params["dockerfile"]] = containerfile
-        _check_relative(params["dockerfile"], spec)
-        if not (extra or (root / params["dockerfile"]).is_file()):
-            raise PodmanError(f"build {spec.tag}: no {params['dockerfile']} in {root}")
-        return params, tar_directory(root, extra), None
-    _check_relative(spec.containerfile, spec)
-    if kind == "tarball":
-        try:
-            opened = open(spec.context, "rb")  # noqa: SIM115 (the caller closes it)
-        except OSError as exc:
-            raise PodmanError(f"build {spec.tag}: cannot read {spec.context}: {exc}") from exc
-        return params, _file_chunks(opened), opened
-    params["remote"] = remote_context(spec.context)
-    return params, iter(()), None
-
-
-def remote_context(context: str) -> str:
-    """The URL podman's build gets for a remote context. Podman clones git:// URLs and URLs
-    whose path ends in .git, and downloads any other http(s) URL as a tarball; so
-    git+https://host/repo[#ref] is sent as https://host/repo.git[#ref] (git servers answer to
-    both spellings), and the rest as written."""
-    if not context.startswith("git+https://"):
-        return context
-    url, hash_, ref = context[len("git+") :].partition("#")
-    if not url.endswith(".git"):
-        url = url.rstrip("/") + ".git"
-    return url + hash_ + ref
-
-
-class _Body:
-    """A request body of chunks that remembers a local read error (requests would report it as
-    a connection error)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self.chunks = chunks
-        self.error: OSError | None = None
-
-    def __iter__(self) -> Iterator[bytes]:
-        try:
-            yield from self.chunks
-        except OSError as exc:
-            self.error = exc
-            raise
-
-
-class _BuildLog:
-    """Turns the build reply's JSON objects into whole lines for ``on_line``, keeping the last
-    few for an error message and the image id the service reports at the end."""
-
-    def __init__(self, on_line: Callable[[str], None]) -> None:
-        self.on_line = on_line
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self.image_id: str | None = None
-        self.error: str | None = None
-        self._pending = ""
-
-    def feed(self, msg: Mapping[str, Any]) -> None:
-        if msg.get("error"):
-            self.error = str(msg["error"]).strip()
-            return
-        aux = msg.get("aux")
-        if isinstance(aux, dict) and aux.get("ID"):
-            self.image_id = str(aux["ID"]).removeprefix("sha256:")
-        text = msg.get("stream")
-        if isinstance(text, str):
-            # A message may hold part of a line or several lines.
-            self._pending += text
-            while "\n" in self._pending:
-                line, self._pending = self._pending.split("\n", 1)
-                self._emit(line)
-
-    def flush(self) -> None:
-        if self._pending:
-            self._emit(self._pending)
-            self._pending = ""
-
-    def _emit(self, line: str) -> None:
-        self.tail.append(line)
-        match = _IMAGE_ID.match(line.strip())
-        if match:  # libpod ends a successful build with the bare image id
-            self.image_id = match.group(1)
-        self.on_line(line)
-
-
-def _check_relative(containerfile: str, spec: BuildSpec) -> None:
-    pure = PurePosixPath(containerfile)
-    if pure.is_absolute() or ".." in pure.parts or not containerfile:
-        raise PodmanError(
-            f"build {spec.tag}: containerfile {containerfile!r} must be a path inside the context"
-        )
 
 
 def _split_ref(ref: str) -> tuple[str, str]:
@@ -782,30 +462,6 @@ def _protected(info: ImageInfo, protect: Collection[str]) -> bool:
     return False
 
 
-def _image_info(data: Mapping[str, Any]) -> ImageInfo:
-    labels = data.get("Labels") or (data.get("Config") or {}).get("Labels") or {}
-    return ImageInfo(
-        id=str(data["Id"]).removeprefix("sha256:"),
-        tags=tuple(data.get("RepoTags") or ()),
-        labels=dict(labels),
-        created=_timestamp(data.get("Created")),
-    )
-
-
-def _timestamp(value: object) -> float:
-    """RFC 3339 with nanoseconds (inspect) or integer seconds (list) -> epoch seconds."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    if not isinstance(value, str) or not value:
-        return 0.0
-    match = re.match(r"^(.*T\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$", value)
-    if not match:
-        return 0.0
-    base, frac, zone = match.groups()
-    stamp = datetime.fromisoformat(base + ("+00:00" if zone == "Z" else zone))
-    return stamp.replace(tzinfo=stamp.tzinfo or timezone.utc).timestamp() + float(f"0.{frac or 0}")
-
-
 def _message(resp: requests.Response) -> str:
     """The service's own words from an error reply (first JSON object), else its text."""
     try:
@@ -820,31 +476,3 @@ def _message(resp: requests.Response) -> str:
     if isinstance(body, dict):
         return str(body.get("message") or body.get("cause") or body)
     return str(body)
-
-
-def _file_chunks(fh: IO[bytes]) -> Iterator[bytes]:
-    while chunk := fh.read(_CHUNK):
-        yield chunk
-
-
-class _ChunkReader(io.RawIOBase):
-    """A readable file over an iterator of byte chunks (for tarfile's stream mode)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-        self._buf = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._buf:
-            try:
-                self._buf = next(self._chunks)
-            except StopIteration:
-                return 0
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), len(self._buf))
-        view[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n

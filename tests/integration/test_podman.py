@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from kvcd.host.podman import (
+from kvcd.host.podman import Podman
+from kvcd.host.podtypes import (
     INSTANCE_LABEL,
     KERNEL_LABEL,
     VERSION_LABEL,
     BuildSpec,
     ImageInfo,
-    Podman,
     PodmanError,
 )
 

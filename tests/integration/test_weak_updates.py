@@ -30,7 +30,7 @@ from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, s
 from kvcd.host import files, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
-from kvcd.host.podman import PodmanUnavailable
+from kvcd.host.podtypes import PodmanUnavailable
 from kvcd.host.run import run
 from tests.integration.kmods import BuiltKmods, compiled_kmods_or_skip
 

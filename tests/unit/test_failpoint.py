@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvcd.daemon.record import Record
-from kvcd.host import failpoint, files, podman
+from kvcd.host import failpoint, files, tarstream
 from kvcd.host.paths import HostRoot
 from tests.unit.test_instance import FakePodman, instance, instance_host
 
@@ -169,7 +169,7 @@ def test_extraction_dies_after_its_first_file(
     dest.mkdir()
     arm(monkeypatch, tmp_path, "extract")
     with pytest.raises(Killed):
-        podman.extract_members(buf, dest)
+        tarstream.extract_members(buf, dest)
     assert [p.name for p in dest.rglob("*.ko")] == ["a.ko"]
 
 

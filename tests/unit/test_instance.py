@@ -21,7 +21,7 @@ from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.host import modfiles, modtree
 from kvcd.host.paths import HostRoot
-from kvcd.host.podman import ImageInfo, PodmanError, PodmanUnavailable
+from kvcd.host.podtypes import ImageInfo, PodmanError, PodmanUnavailable
 from tests import fakehost
 
 K = "6.1.0-56-amd64"

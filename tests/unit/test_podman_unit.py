@@ -12,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from kvcd.host import podbuild, podtypes, tarstream
 from kvcd.host import podman as pm
-from kvcd.host.podman import (
-    INSTANCE_LABEL,
-    ImageInfo,
-    Podman,
-    PodmanError,
-    PodmanUnavailable,
-    context_kind,
-    extract_members,
-    tar_directory,
-)
+from kvcd.host.podbuild import context_kind
+from kvcd.host.podman import Podman
+from kvcd.host.podtypes import INSTANCE_LABEL, ImageInfo, PodmanError, PodmanUnavailable
+from kvcd.host.tarstream import extract_members, tar_directory
 
 
 def make_tar(*members: tuple[str, bytes | None, bytes, str]) -> io.BytesIO:
@@ -110,7 +105,7 @@ def test_garbage_is_a_permanent_error(tmp_path: Path) -> None:
 def test_chunk_reader_feeds_tarfile_stream_mode(tmp_path: Path) -> None:
     data = make_tar(reg("a.ko", b"A" * 70000), reg("b/c.ko", b"C")).getvalue()
     chunks = iter([data[i : i + 777] for i in range(0, len(data), 777)])
-    reader = io.BufferedReader(pm._ChunkReader(chunks))
+    reader = io.BufferedReader(tarstream.ChunkReader(chunks))
     got = extract_members(reader, tmp_path)
     assert [p.name for p in got] == ["a.ko", "c.ko"]
     assert (tmp_path / "a.ko").read_bytes() == b"A" * 70000
@@ -195,9 +190,9 @@ def test_context_kind(tmp_path: Path) -> None:
     ],
 )
 def test_remote_context_is_what_podman_clones(context: str, remote: str) -> None:
-    assert pm.remote_context(context) == remote
-    spec = pm.BuildSpec(context=context, containerfile="Containerfile", tag="localhost/x:1")
-    params, _chunks, opened = pm._build_request(spec, context_kind(context))
+    assert podbuild.remote_context(context) == remote
+    spec = podtypes.BuildSpec(context=context, containerfile="Containerfile", tag="localhost/x:1")
+    params, _chunks, opened = podbuild.build_request(spec, context_kind(context))
     assert params["remote"] == remote and opened is None
 
 
@@ -210,11 +205,13 @@ def test_split_ref() -> None:
 
 
 def test_timestamp() -> None:
-    assert pm._timestamp(1700000000) == 1700000000.0
-    assert pm._timestamp("2023-11-14T22:13:20Z") == 1700000000.0
-    assert pm._timestamp("2023-11-14T22:13:20.123456789Z") == pytest.approx(1700000000.123456789)
-    assert pm._timestamp("2023-11-15T00:13:20.5+02:00") == 1700000000.5
-    assert pm._timestamp(None) == 0.0
+    assert podtypes.timestamp(1700000000) == 1700000000.0
+    assert podtypes.timestamp("2023-11-14T22:13:20Z") == 1700000000.0
+    assert podtypes.timestamp("2023-11-14T22:13:20.123456789Z") == pytest.approx(
+        1700000000.123456789
+    )
+    assert podtypes.timestamp("2023-11-15T00:13:20.5+02:00") == 1700000000.5
+    assert podtypes.timestamp(None) == 0.0
 
 
 def test_protected() -> None:
@@ -229,7 +226,7 @@ def test_protected() -> None:
 
 def test_build_log_joins_partial_lines_and_finds_the_image_id() -> None:
     lines: list[str] = []
-    out = pm._BuildLog(lines.append)
+    out = podbuild.BuildLog(lines.append)
     for msg in [
         {"stream": "STEP 1/2: FROM x\n"},
         {"stream": "part"},
@@ -246,7 +243,7 @@ def test_build_log_joins_partial_lines_and_finds_the_image_id() -> None:
 
 
 def test_from_env() -> None:
-    assert Podman.from_env({}).url == pm.DEFAULT_URL
+    assert Podman.from_env({}).url == podtypes.DEFAULT_URL
     assert Podman.from_env({"CONTAINER_HOST": "unix:///x.sock"}).url == "unix:///x.sock"
     with pytest.raises(PodmanError, match="bad podman API URL"):
         Podman("ftp://nowhere")
@@ -344,7 +341,7 @@ def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
     ctx.mkdir()
     (ctx / "Containerfile").write_text("FROM x\n")
     lines: list[str] = []
-    spec = pm.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
+    spec = podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
     try:
         with pytest.raises(PodmanUnavailable, match="build localhost/x:1"):
             Podman(f"unix://{path}", timeout=5).build(spec, lines.append)
@@ -490,12 +487,12 @@ def test_unreadable_context_is_permanent_not_unavailable(
         yield b"\0" * 512
         raise PermissionError(13, "Permission denied", str(root / "secret.c"))
 
-    monkeypatch.setattr(pm, "tar_directory", broken)
+    monkeypatch.setattr(podbuild, "tar_directory", broken)
     ctx = tmp_path / "ctx"
     ctx.mkdir()
     (ctx / "Containerfile").write_text("FROM x\n")
     path, _ = silent_server
-    spec = pm.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
+    spec = podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
     with pytest.raises(PodmanError, match=r"reading the context: .*secret\.c"):
         Podman(f"unix://{path}", timeout=2).build(spec, lambda line: None)
 
@@ -509,6 +506,6 @@ def test_remove_image_refuses_an_image_in_use(fake_api: FakeAPI) -> None:
     )
     fake_api.reply("GET", f"/images/{IMAGE_ID}/json", 200, {"Id": IMAGE_ID, "Created": 1})
     fake_api.reply("GET", "/images/json", 200, [{"Id": IMAGE_ID, "Containers": 1}])
-    with pytest.raises(pm.ImageInUse, match="in use by 1 container"):
+    with pytest.raises(podtypes.ImageInUse, match="in use by 1 container"):
         Podman(f"unix://{fake_api.path}").remove_image("localhost/kvcd/drv:1")
     assert not [r for r in fake_api.requests if r[0] == "DELETE"]
