@@ -21,7 +21,7 @@ import pytest
 from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
-from kvcd.daemon import nextkernel
+from kvcd.daemon import ahead
 from kvcd.daemon.observe import desired_for, observe, read_manifest, store_dir
 from kvcd.host import kmod, modtree
 from kvcd.host.bootloader import NextBoot
@@ -174,9 +174,9 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
     assert weak_modules.read_text() == f"--add-modules --no-initramfs\n{files}\n"
 
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
-    out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    out = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
 
-    assert out == nextkernel.Outcome(
+    assert out == ahead.Outcome(
         B, "ready", f"weak-updates from {a} by weak-modules (kABI-compatible)"
     )
     weak = root.kernel_dir(B) / "weak-updates" / INSTANCE
@@ -190,7 +190,7 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
     assert manifest is not None and manifest["weak_updates_from"] == a
     # Asked again: prepared, weak-modules is not run again.
     calls = weak_modules.read_text()
-    again = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    again = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
     assert again == out and weak_modules.read_text() == calls
     # The first start on B installs the stored copy: no image, no extraction.
     d = desired_for(config(), B)
@@ -232,7 +232,7 @@ def test_weak_modules_linking_nothing_means_a_build(
     modtree.prepare_kernel_tree(root, a)
     modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
-    out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    out = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
     assert out.state == "failed", out
     assert "PodmanUnavailable" in out.reason
     assert (
@@ -254,8 +254,8 @@ def test_without_weak_modules_kvcd_links_the_system_tree_itself(
     modtree.prepare_kernel_tree(root, a)
     modtree.activate(root, a, INSTANCE, extracted(root, kmods))
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
-    out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
-    assert out == nextkernel.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
+    out = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    assert out == ahead.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
     weak = root.system_modules(B) / "weak-updates" / INSTANCE
     assert weak.is_symlink()
     assert modprobe_paths(root, B, "kvcd_user")[-1] == str(weak / "kvcd_user.ko")

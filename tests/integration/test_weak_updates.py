@@ -25,7 +25,7 @@ import pytest
 from kvcd.config.model import InstanceConfig, ModuleSpec, Settings
 from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
-from kvcd.daemon import nextkernel
+from kvcd.daemon import ahead
 from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
 from kvcd.host import files, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
@@ -119,9 +119,9 @@ def test_compatible_next_kernel_resolves_the_modules_built_for_a(
     source = extracted(root, kmods)
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
 
-    out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    out = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
 
-    assert out == nextkernel.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
+    assert out == ahead.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
     tree = root.kernel_dir(B)
     assert modtree.weak_updates_store(root, B, INSTANCE) == store_dir(root, INSTANCE, "1.0", B)
     assert modtree.active_store(root, B, INSTANCE) is None  # extra/ stays for real builds for B
@@ -138,8 +138,8 @@ def test_compatible_next_kernel_resolves_the_modules_built_for_a(
     assert (manifest["kernel"], manifest["weak_updates_from"]) == (B, a)
     # Idempotent: a second pass finds it prepared and writes nothing.
     mtime = (tree / "modules.dep").stat().st_mtime_ns
-    again = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
-    assert again == nextkernel.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
+    again = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    assert again == ahead.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
     assert (tree / "modules.dep").stat().st_mtime_ns == mtime
     # After the reboot into B the plan has no build and no extraction: switch and load only.
     d = desired_for(config(), B)
@@ -170,7 +170,7 @@ def test_weak_updates_rank_last(tmp_path: Path, kmods: BuiltKmods, other: str, w
         shutil.copy(kmods.base, system / "updates" / "kvcd_base.ko")
     extracted(root, kmods)
     nb = NextBoot(B, "grubenv", "test", system)
-    out = nextkernel.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
+    out = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
     assert out.state == "ready", out
     if other == "extra":
         built = tmp_path / "built-for-b"
@@ -191,7 +191,7 @@ def test_system_weak_updates_stay_visible(tmp_path: Path, kmods: BuiltKmods) -> 
     shutil.copy(kmods.bad, system / "weak-updates" / "vendor" / "kvcd_bad.ko")
     extracted(root, kmods)
     nb = NextBoot(B, "grubenv", "test", system)
-    assert nextkernel.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman).state == (
+    assert ahead.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman).state == (
         "ready"
     )
     weak = root.kernel_dir(B) / "weak-updates"
@@ -217,10 +217,10 @@ def test_incompatible_abi_takes_the_build_path(tmp_path: Path, kmods: BuiltKmods
     make_kernel(root, other, symvers_b)
     extracted(root, kmods)
     nb = NextBoot(other, "grubenv", "test", root.system_modules(other))
-    source, why = nextkernel.check_weak(root, config(), kmods.kernel, nb)
+    source, why = ahead.check_weak(root, config(), kmods.kernel, nb)
     assert source is None
     assert why.startswith(f"kABI-incompatible with {other}: kvcd_base: ") and "CRC" in why
-    out = nextkernel.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
+    out = ahead.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
     assert out.state == "failed"
     assert "PodmanUnavailable" in out.reason and "kABI-incompatible" in out.reason
     _nothing_for(root, other)
@@ -259,7 +259,7 @@ def test_bad_input_writes_nothing_for_the_next_kernel(
     elif case != "no-extraction":
         extracted(root, kmods)
     nb = NextBoot(B, "grubenv", "test", root.system_modules(B))
-    out = nextkernel.prepare(root, Settings(), cfg, kmods.kernel, nb, DownPodman)
+    out = ahead.prepare(root, Settings(), cfg, kmods.kernel, nb, DownPodman)
     assert out.kernel == B and out.state == "failed"
     assert says in out.reason, out.reason
     _nothing_for(root, B)
@@ -270,8 +270,8 @@ def test_kernel_that_does_not_exist(tmp_path: Path, kmods: BuiltKmods) -> None:
     extracted(root, kmods)
     gone = "6.1.0-9999-amd64"
     nb = NextBoot(gone, "grubenv", "test", root.system_modules(gone))
-    out = nextkernel.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
-    assert out == nextkernel.Outcome(
+    out = ahead.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
+    assert out == ahead.Outcome(
         gone, "failed", f"kernel {gone} is not installed: no {root.system_modules(gone)}"
     )
     assert not root.kernel_dir(gone).exists()
@@ -285,9 +285,9 @@ def test_foreign_architecture_kernel(tmp_path: Path, kmods: BuiltKmods) -> None:
     make_kernel(root, arm, kmods.kernel_symvers.read_text())
     extracted(root, kmods)
     nb = NextBoot(arm, "grubenv", "test", root.system_modules(arm))
-    source, why = nextkernel.check_weak(root, config(), kmods.kernel, nb)
+    source, why = ahead.check_weak(root, config(), kmods.kernel, nb)
     assert source is None and "but the kernel is aarch64" in why, why
-    out = nextkernel.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
+    out = ahead.prepare(root, Settings(), config(), kmods.kernel, nb, DownPodman)
     assert out.state == "failed" and "but the kernel is aarch64" in out.reason
     _nothing_for(root, arm)
 

@@ -18,7 +18,7 @@ import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core.attempts import RETRY
-from kvcd.daemon import driftstore, nextkernel, status, storegc
+from kvcd.daemon import ahead, driftstore, nextkernel, status, storegc
 from kvcd.daemon.events import SKIP, Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.observe import read_manifest, store_dir
@@ -132,10 +132,10 @@ def test_prepare(
     built: list[str],
 ) -> None:
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(compatible))
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(compatible))
     pod = FakePodman(host, B)
     cfg = config(host, kabi=kabi)
-    out = nextkernel.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
+    out = ahead.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
     assert out.state == want
     assert out.reason.startswith(reason), out.reason
     assert builds(pod) == built
@@ -152,7 +152,7 @@ def test_prepare(
     assert manifest is not None and manifest["kernel"] == kernel
     assert manifest.get("weak_updates_from") == (A if case == "weak" else None)
     # Ready means prepared: asking again changes nothing and builds nothing.
-    again = nextkernel.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
+    again = ahead.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
     assert again.state == READY and builds(pod) == built
     assert again.reason == (
         f"weak-updates from {A} (kABI-compatible)" if case == "weak" else f"built for {B}"
@@ -163,10 +163,10 @@ def test_failed_build_leaves_no_link_for_the_next_kernel(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(False))
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
     pod = FakePodman(host, B)
     pod.fail_build = True
-    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
+    out = ahead.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
     assert out.state == FAILED
     assert out.reason.startswith("BuildFailed: build failed at STEP 2/2")
     assert "kABI-incompatible" in out.reason
@@ -179,10 +179,10 @@ def test_depmod_failure_undoes_the_weak_link(
 ) -> None:
     """The weak link and its store tree go again; then the build path fails the same way."""
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(True))
     fake_commands.add("depmod", "echo 'depmod: FATAL: could not open modules.order' >&2; exit 1\n")
     pod = FakePodman(host, B)
-    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
+    out = ahead.prepare(host, Settings(), config(host), A, next_boot(host), lambda: pod)
     assert out.state == FAILED
     assert "weak-updates failed: depmod -b" in out.reason
     assert modtree.weak_updates_store(host, B, NAME) is None
@@ -192,9 +192,7 @@ def test_depmod_failure_undoes_the_weak_link(
 
 def test_kvc_hook_instance_cannot_prepare_ahead(host: HostRoot) -> None:
     lib = host("/usr/lib/kvc/e2e-lib.sh")
-    out = nextkernel.prepare(
-        host, Settings(), config(host, kvc_lib=lib), A, next_boot(host), FakePodman
-    )
+    out = ahead.prepare(host, Settings(), config(host, kvc_lib=lib), A, next_boot(host), FakePodman)
     assert out == Outcome(B, FAILED, f"{lib} (a KVC hook library) builds at boot, not ahead")
 
 
@@ -240,7 +238,7 @@ def test_extension_prepares_on_start_and_on_watch_events(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(False))
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
     answers = [next_boot(host, None), next_boot(host, B)]
     asked: list[int] = []
 
@@ -355,8 +353,8 @@ def test_first_start_on_the_prepared_kernel_says_no_build(
 ) -> None:
     """Boot 1 prepared B (weak-updates); boot 2 runs B: the start says whether it will build."""
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
-    out = nextkernel.prepare(host, Settings(), config(host), A, next_boot(host), FakePodman)
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(True))
+    out = ahead.prepare(host, Settings(), config(host), A, next_boot(host), FakePodman)
     assert out.state == READY
     if not keep:
         import shutil
@@ -621,7 +619,7 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     """B was prepared as the next kernel; then its package is removed and the boot loader's
     default goes back to A: the tree prepared for B goes with it."""
     running_extraction(host)
-    monkeypatch.setattr(nextkernel, "check_weak", weak_verdict(True))
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(True))
     answers = [next_boot(host, B)]
     watches: list[FakeWatch] = []
 

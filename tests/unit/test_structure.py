@@ -1,6 +1,7 @@
 """The shape of kvcd/ that the layer contracts (import-linter, in CI) cannot state: no import
 loop between any two of its modules, counting imports inside functions and under
-TYPE_CHECKING too (a loop hidden in a function is still a loop)."""
+TYPE_CHECKING too (a loop hidden in a function is still a loop), and no room over 500 lines
+(a room that grows past it holds more than one job: split it along them)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,14 @@ def test_no_import_loop_in_kvcd() -> None:
     assert "kvcd.core.attempts" in graph["kvcd.daemon.service"]
     assert "kvcd.config.loader" in graph["kvcd.cli"]
     assert loops(graph) == []
+
+
+MAX_LINES = 500
+
+
+def test_no_room_over_500_lines() -> None:
+    sizes = {
+        str(p.relative_to(KVCD.parent)): len(p.read_text().splitlines()) for p in KVCD.rglob("*.py")
+    }
+    assert len(sizes) > 50  # the walk works
+    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}

@@ -1,0 +1,300 @@
+"""Ready ahead for the next kernel: when the next kernel B differs from the running kernel A:
+
+1. already prepared (the configured version's store tree for B is what ``extra/<instance>`` or
+   ``weak-updates/<instance>`` of B's tree points at, and B's modules.dep lists it): ready;
+2. ``kabi = "weak-updates-first"`` (the default) and the modules extracted for A pass the kABI
+   check against B's exported CRCs: their files are hard-linked into a store tree for B (a
+   manifest that says ``weak_updates_from: A``), B's ``weak-updates/<instance>`` points at it,
+   depmod B: ready, no build;
+3. otherwise (``kabi = "rebuild"``, incompatible, no symvers, no extraction for A): the normal
+   build plan with kernel B (image for B, extract, collect), then ``extra/<instance>`` of B's
+   tree and depmod B: ready; a failed step: failed, with the reason.
+
+Either way the store holds the version for B, so the first start on B plans no image and no
+extraction: only the switch to it and the loads. That start logs "modules for B were prepared
+before the reboot; no build" (MESSAGE_ID MSG_NEXT_KERNEL_PREPARED).
+
+The outcome goes into the instance's Record (`next_kernel`, `next_kernel_state` = preparing |
+ready | failed, `next_kernel_reason`); the node reporter publishes it. Preparing never changes
+the running kernel's modules or the instance's own state.
+
+After each look, the store trees kernel updates left behind are removed (kvcd/daemon/storegc.py).
+
+Bad input leaves nothing half-written: the kABI check runs before anything is written, the
+store tree for B is staged under a temporary name and renamed, and a failure after that
+removes the link and the tree again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.core import state
+from kvcd.core.actions import AcquireImage, Extract, Hook
+from kvcd.core.state import StepFailed
+from kvcd.daemon import kabi as daemon_kabi
+from kvcd.daemon.executor import Executor
+from kvcd.daemon.observe import MANIFEST, read_manifest, store_dir
+from kvcd.host import bootloader, elf, failpoint, files, kmod, modtree, symvers
+from kvcd.host.bootloader import NextBoot
+from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:
+    from kvcd.host.podman import Podman
+
+log = logging.getLogger(__name__)
+
+PREPARING, READY, FAILED = "preparing", "ready", "failed"
+WEAK_FROM = "weak_updates_from"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kernel: str
+    """the next kernel; "" = none other than the running one (or unknown)"""
+    state: str = ""
+    reason: str = ""
+
+
+NONE = Outcome("")
+
+
+def _dep_lists(root: HostRoot, kernel: str, instance: str) -> bool:
+    dep = files.read_text(root.kernel_dir(kernel) / "modules.dep")
+    if dep is None:
+        return False
+    return f"extra/{instance}/" in dep or f"{modtree.WEAK_UPDATES}/{instance}/" in dep
+
+
+def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None:
+    """How the configured version is ready for `kernel` ("weak-updates from A" / "built for
+    B"), or None when it is not (not stored, not linked, or not indexed)."""
+    target = store_dir(root, cfg.name, cfg.version, kernel)
+    manifest = read_manifest(target)
+    if manifest is None or manifest.get("version") != cfg.version:
+        return None
+    try:
+        linked = modtree.linked_stores(root, kernel, cfg.name)
+    except kmod.KmodError:
+        return None
+    source = manifest.get(WEAK_FROM)
+    if _by_weak_modules(root) and isinstance(source, str):
+        if modtree.weak_modules_missing(root, source, kernel, cfg.name):
+            return None
+    elif Path(os.path.abspath(target)) not in linked:
+        return None
+    if not _dep_lists(root, kernel, cfg.name):
+        return None
+    if isinstance(source, str):
+        how = " by weak-modules" if _by_weak_modules(root) else ""
+        return f"weak-updates from {source}{how} (kABI-compatible)"
+    return f"built for {kernel}"
+
+
+def _module_files(directory: Path, manifest: dict[str, Any]) -> list[Path]:
+    modules = manifest.get("modules")
+    if not isinstance(modules, dict):
+        return []
+    return [
+        directory / info["file"]
+        for _, info in sorted(modules.items())
+        if isinstance(info, dict) and isinstance(info.get("file"), str)
+    ]
+
+
+def _exports(root: HostRoot, nb: NextBoot) -> symvers.Symvers:
+    """B's exported CRCs: the symvers.gz in its module directory (RHEL 8+, rpm-ostree
+    deployments not booted yet), else wherever kvcd.host.symvers finds it."""
+    assert nb.kernel is not None
+    if nb.modules_dir is not None and (nb.modules_dir / "symvers.gz").is_file():
+        return symvers.load_symvers(nb.modules_dir / "symvers.gz")
+    return daemon_kabi.kernel_exports(root, nb.kernel)
+
+
+def check_weak(
+    root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot
+) -> tuple[Path | None, str]:
+    """(the store tree for `running` to reuse, "") when its modules are kABI-compatible with
+    the next kernel, else (None, why not). Reads only."""
+    assert nb.kernel is not None
+    source = store_dir(root, cfg.name, cfg.version, running)
+    manifest = read_manifest(source)
+    if manifest is None or manifest.get("version") != cfg.version:
+        return None, f"no extraction of {cfg.version} for {running} to reuse"
+    paths = _module_files(source, manifest)
+    if not paths:
+        return None, f"{source / MANIFEST} lists no module files"
+    try:
+        report = daemon_kabi.check_modules(root, paths, nb.kernel, exports=_exports(root, nb))
+    except (symvers.SymversError, elf.ElfError, ValueError) as exc:
+        return None, f"no kABI check: {exc}"
+    if not report.compatible:
+        bad = [
+            f"{m.abi.name}: {len(m.verdict.missing)} missing, "
+            f"{len(m.verdict.mismatched)} with another CRC"
+            + (f" (e.g. {(m.verdict.missing or [x.symbol for x in m.verdict.mismatched])[0]})")
+            for m in report.modules
+            if not m.verdict.compatible
+        ]
+        return None, f"kABI-incompatible with {nb.kernel}: {'; '.join(bad)}"
+    return source, ""
+
+
+def _stage_weak_tree(source: Path, manifest: dict[str, Any], dest: Path, running: str) -> None:
+    """Hard links (copies across file systems) of `source`'s module files, plus a manifest for
+    the next kernel, written under a temporary name and renamed into `dest`."""
+    kernel = dest.name
+    tmp = dest.with_name(f".{dest.name}.weak.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        for path in _module_files(source, manifest):
+            target = tmp / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+        files.write_json(tmp / MANIFEST, {**manifest, "kernel": kernel, WEAK_FROM: running})
+        if dest.exists():  # a leftover without a usable manifest (prepared_how said no)
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _by_weak_modules(root: HostRoot) -> bool:
+    """Weak-updates are the host's `weak-modules`' job: modules installed in the system tree
+    (kvcd.toml module_tree = "system") on a host that has it (RHEL)."""
+    return root.system_tree and modtree.weak_modules_command() is not None
+
+
+def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, source: Path) -> str:
+    """Make the (checked) modules of `source` loadable on the next kernel through weak-updates:
+    kvcd's own ``weak-updates/<instance>`` link and depmod, or in the system tree of a host with
+    `weak-modules`, `weak-modules --add-modules` with the installed files (it links and runs
+    depmod itself). Either way the files are also staged as the store tree for the next kernel,
+    which its first start installs without a build. Returns the ready reason; raises
+    KmodError/OSError after undoing what it wrote."""
+    assert nb.kernel is not None
+    kernel = nb.kernel
+    manifest = read_manifest(source) or {}
+    dest = store_dir(root, cfg.name, cfg.version, kernel)
+    _stage_weak_tree(source, manifest, dest, running)
+    try:
+        modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
+        if not _by_weak_modules(root):
+            modtree.link_weak_updates(root, kernel, cfg.name, dest)
+            kmod.depmod(root, kernel)
+            return f"weak-updates from {running} (kABI-compatible)"
+        installed = modtree.installed_modules(modtree.extra_link(root, running, cfg.name))
+        with kmod.tree_lock(root):  # weak-modules runs depmod
+            modtree.weak_modules(installed, add=True)
+        missing = modtree.weak_modules_missing(root, running, kernel, cfg.name)
+        if missing:
+            raise kmod.KmodError(
+                f"weak-modules did not link {', '.join(missing)} into {kernel}'s weak-updates"
+            )
+        if not _dep_lists(root, kernel, cfg.name):
+            raise kmod.KmodError(f"weak-modules linked {cfg.name} but did not index {kernel}")
+        return f"weak-updates from {running} by weak-modules (kABI-compatible)"
+    except BaseException:
+        modtree.unlink_weak_updates(root, kernel, cfg.name)
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def build_ahead(
+    root: HostRoot,
+    settings: Settings,
+    cfg: InstanceConfig,
+    nb: NextBoot,
+    podman: Callable[[], Podman],
+    on_build_line: Callable[[str], None] = lambda _s: None,
+) -> str:
+    """The instance's normal build plan for the next kernel, then B's extra/ link and depmod.
+    Returns the ready reason; raises StepFailed or KmodError."""
+    from kvcd.daemon.instance import Instance
+
+    assert nb.kernel is not None
+    kernel = nb.kernel
+    inst = Instance(root, settings, cfg, kernel, podman=podman, on_build_line=on_build_line)
+    plan = inst.plan("build")
+    if any(isinstance(a, Hook) for a in plan.actions):
+        raise StepFailed(state.HOOK_FAILED, "a KVC hook library builds at boot, not ahead")
+    fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": kernel}
+    for line in plan.describe():
+        log.info("next kernel %s: %s", kernel, line, extra=fields)
+    Executor(root, inst.cfg, inst.desired, podman, on_build_line=on_build_line).apply(plan)
+    target = store_dir(root, cfg.name, cfg.version, kernel)
+    modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
+    previous = modtree.activate(root, kernel, cfg.name, target)
+    try:
+        kmod.depmod(root, kernel)
+    except kmod.KmodError:
+        if previous is None:
+            modtree.deactivate(root, kernel, cfg.name)
+        else:
+            modtree.activate(root, kernel, cfg.name, previous)
+        raise
+    built = any(isinstance(a, (AcquireImage, Extract)) for a in plan.actions)
+    return f"built for {kernel}" if built else f"already extracted for {kernel}"
+
+
+def prepare(
+    root: HostRoot,
+    settings: Settings,
+    cfg: InstanceConfig,
+    running: str,
+    nb: NextBoot,
+    podman: Callable[[], Podman],
+    on_build_line: Callable[[str], None] = lambda _s: None,
+) -> Outcome:
+    """Make the instance ready for the next kernel (see the module docstring). Idempotent."""
+    kernel = nb.kernel
+    if kernel is None or kernel == running:
+        return NONE
+    if not bootloader.valid_kernel(kernel):
+        return Outcome(kernel, FAILED, f"invalid kernel release {kernel!r}")
+    failpoint.hit("nextkernel")
+    how = prepared_how(root, cfg, kernel)
+    if how is not None:
+        return Outcome(kernel, READY, how)
+    if cfg.kvc_lib is not None:
+        return Outcome(
+            kernel, FAILED, f"{cfg.kvc_lib} (a KVC hook library) builds at boot, not ahead"
+        )
+    modules_dir = nb.modules_dir or root.system_modules(kernel)
+    if not modules_dir.is_dir():
+        return Outcome(kernel, FAILED, f"kernel {kernel} is not installed: no {modules_dir}")
+    nb = NextBoot(kernel, nb.source, nb.detail, modules_dir)
+    why_not_weak = "kabi = rebuild"
+    with files.locked(root.instance_lock(cfg.name)):
+        if cfg.kabi == "weak-updates-first":
+            source, why_not_weak = check_weak(root, cfg, running, nb)
+            if source is not None:
+                try:
+                    return Outcome(kernel, READY, link_weak(root, cfg, running, nb, source))
+                except (kmod.KmodError, OSError) as exc:
+                    why_not_weak = f"weak-updates failed: {exc}"
+            log.info(
+                "next kernel %s: no weak-updates (%s); building",
+                kernel,
+                why_not_weak,
+                extra={"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": kernel},
+            )
+        try:
+            reason = build_ahead(root, settings, cfg, nb, podman, on_build_line)
+        except StepFailed as exc:
+            return Outcome(kernel, FAILED, f"{exc} ({why_not_weak})")
+        except (kmod.KmodError, OSError) as exc:
+            return Outcome(kernel, FAILED, f"{exc} ({why_not_weak})")
+    return Outcome(kernel, READY, f"{reason} ({why_not_weak})")
