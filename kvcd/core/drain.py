@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvcd.core import state
+from kvcd.core.state import DRAIN_PENDING, MODULE_IN_USE, REBOOT_PENDING
 
 # Node-wide values (contract).
 IDLE = "Idle"
@@ -28,11 +28,6 @@ REBOOT_REQUIRED = "Reboot_Required"
 DRAINING = "Draining"
 DRAIN_COMPLETE = "DrainComplete"
 
-# Reason codes: kvcd.core.state's stable vocabulary.
-DRAIN_PENDING = state.DRAIN_PENDING
-DRAIN_TIMEOUT = state.DRAIN_TIMEOUT
-REBOOT_PENDING = state.REBOOT_PENDING
-STILL_IN_USE = state.MODULE_IN_USE
 
 # before(): what to do with the coming reconcile.
 PROCEED = "proceed"
@@ -113,7 +108,7 @@ AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
     # completed -> Degraded (held by something no drain removes) and withdraw.
     (DRAIN_REQUIRED, IDLE, BLOCKED): (KEEP, "Working", DRAIN_PENDING),
     (DRAIN_REQUIRED, DRAINING, BLOCKED): (KEEP, "Working", DRAIN_PENDING),
-    (DRAIN_REQUIRED, DRAIN_COMPLETE, BLOCKED): (RELEASE, "Degraded", STILL_IN_USE),
+    (DRAIN_REQUIRED, DRAIN_COMPLETE, BLOCKED): (RELEASE, "Degraded", MODULE_IN_USE),
     (DRAIN_REQUIRED, IDLE, APPLIED): (RELEASE, "", ""),
     (DRAIN_REQUIRED, DRAINING, APPLIED): (RELEASE, "", ""),
     (DRAIN_REQUIRED, DRAIN_COMPLETE, APPLIED): (RELEASE, "", ""),

@@ -15,18 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcd.core import state
-from kvcd.core.state import reason_text
+from kvcd.core.state import LABEL_ABSENT, NODE_UNAVAILABLE, UPGRADE_PENDING, reason_text
 
 # Verbs (the daemon maps them onto its LOAD / UNLOAD / HOLD verdicts).
 LOAD = "load"
 UNLOAD = "unload"
 HOLD = "hold"
 
-# Reason codes: kvcd.core.state's stable vocabulary.
-UPGRADE_PENDING = state.UPGRADE_PENDING
-LABEL_ABSENT = state.LABEL_ABSENT
-NODE_UNAVAILABLE = state.NODE_UNAVAILABLE
 
 # What the label says, relative to the configured version.
 ABSENT = "absent"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.core import drain as hs
+from kvcd.core import state
 from kvcd.core.attempts import RETRY
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import boot_id
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CODES = (hs.DRAIN_PENDING, hs.DRAIN_TIMEOUT, hs.REBOOT_PENDING)
+_CODES = (state.DRAIN_PENDING, state.DRAIN_TIMEOUT, state.REBOOT_PENDING)
 
 
 def mode(ctx: Context) -> str:
@@ -174,7 +175,7 @@ class Drain(Extension):
             return Verdict(
                 HOLD,
                 "Working",
-                hs.DRAIN_PENDING,
+                state.DRAIN_PENDING,
                 f"{claim.kind} requested; waiting for "
                 f"{nodekeys.drain_current_key(self.link.prefix)}={hs.DRAIN_COMPLETE} "
                 f"(now {hs.current_value(current)})",
@@ -182,7 +183,7 @@ class Drain(Extension):
         return Verdict(
             HOLD,
             "Degraded",
-            hs.DRAIN_TIMEOUT,
+            state.DRAIN_TIMEOUT,
             f"no {hs.DRAIN_COMPLETE} within "
             f"{ctx.settings.drain_timeout:.0f}s of the {claim.kind} request",
         )
@@ -232,7 +233,7 @@ class Drain(Extension):
             log.info("drain claim withdrawn (%s)", outcome, extra=fields)
         if not new_state:
             return None
-        if code == hs.STILL_IN_USE:
+        if code == state.MODULE_IN_USE:
             detail = "still in use after the drain completed: " + record.detail
             return Verdict(HOLD, new_state, code, _with_holders(detail, holders))
         if record.code == code:

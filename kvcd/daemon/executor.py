@@ -18,18 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcd.config.model import InstanceConfig
+from kvcd.core import actions as act
 from kvcd.core import state
-from kvcd.core.actions import (
-    AcquireImage,
-    Action,
-    Activate,
-    CollectImages,
-    Extract,
-    Hook,
-    Load,
-    Unload,
-    Verify,
-)
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
@@ -117,28 +107,28 @@ class Executor:
                     ) from exc
                 raise
 
-    def _apply(self, a: Action, attempt: Attempt) -> None:
-        if isinstance(a, AcquireImage):
+    def _apply(self, a: act.Action, attempt: Attempt) -> None:
+        if isinstance(a, act.AcquireImage):
             self._acquire(a)
-        elif isinstance(a, Extract):
+        elif isinstance(a, act.Extract):
             self._extract(a)
-        elif isinstance(a, Activate):
+        elif isinstance(a, act.Activate):
             self._activate(a, attempt)
-        elif isinstance(a, Load):
+        elif isinstance(a, act.Load):
             self._load(a.module, a.params)
             attempt.loaded.append(a.module)
-        elif isinstance(a, Unload):
+        elif isinstance(a, act.Unload):
             self._unload(a.module)
             attempt.unloaded.append(a.module)
-        elif isinstance(a, Hook):
+        elif isinstance(a, act.Hook):
             self._hook(a.function)
-        elif isinstance(a, Verify):
+        elif isinstance(a, act.Verify):
             self._verify(a.modules, a.loaded)
-        elif isinstance(a, CollectImages):
+        elif isinstance(a, act.CollectImages):
             self._collect(a.keep)
 
     # -- images --------------------------------------------------------------------------------
-    def _acquire(self, a: AcquireImage) -> None:
+    def _acquire(self, a: act.AcquireImage) -> None:
         from kvcd.host.podtypes import BuildSpec, PodmanError, PodmanUnavailable
 
         try:
@@ -250,7 +240,7 @@ class Executor:
         ]
         return f"for {', '.join(wrong)}" if wrong else None
 
-    def _extract(self, a: Extract) -> None:
+    def _extract(self, a: act.Extract) -> None:
         from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
         dest = store_dir(self.root, self.cfg.name, a.version, a.kernel)
@@ -269,7 +259,7 @@ class Executor:
             raise
         files.write_json(dest / MANIFEST, manifest)
 
-    def _manifest(self, dest: Path, found: list[Path], a: Extract) -> dict[str, Any]:
+    def _manifest(self, dest: Path, found: list[Path], a: act.Extract) -> dict[str, Any]:
         by_name: dict[str, Path] = {}
         for path in found:
             by_name[path.name.split(".ko")[0].replace("-", "_")] = path
@@ -315,7 +305,7 @@ class Executor:
             log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
 
     # -- module root and kernel ----------------------------------------------------------------
-    def _activate(self, a: Activate, attempt: Attempt) -> None:
+    def _activate(self, a: act.Activate, attempt: Attempt) -> None:
         target = store_dir(self.root, self.cfg.name, a.version, a.kernel)
         try:
             modtree.prepare_kernel_tree(self.root, a.kernel)

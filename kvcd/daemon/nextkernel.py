@@ -41,6 +41,11 @@ from kvcd.daemon.ahead import FAILED, NONE, PREPARING, READY, Outcome, prepare
 log = logging.getLogger(__name__)
 
 SOURCE = "next-kernel"
+# How an outcome is told in the journal: level, text (kernel, reason), MESSAGE_ID.
+_SAID = {
+    READY: (logging.INFO, "next kernel %s: ready (%s)", journal.MSG_NEXT_KERNEL_READY),
+    FAILED: (logging.WARNING, "next kernel %s: not ready: %s", journal.MSG_NEXT_KERNEL_FAILED),
+}
 # Without inotify watches (limit reached) the next kernel is looked for this often instead.
 FALLBACK_INTERVAL = 600.0
 
@@ -277,19 +282,15 @@ class NextKernel(Extension):
             previous.state,
         )
         if not same or (outcome.state == FAILED and outcome != previous):
-            if outcome.state == READY:
-                log.info(
-                    "next kernel %s: ready (%s)",
+            said = _SAID.get(outcome.state)
+            if said is not None:
+                level, text, message_id = said
+                log.log(
+                    level,
+                    text,
                     outcome.kernel,
                     outcome.reason,
-                    extra={**fields, "MESSAGE_ID": journal.MSG_NEXT_KERNEL_READY},
-                )
-            elif outcome.state == FAILED:
-                log.warning(
-                    "next kernel %s: not ready: %s",
-                    outcome.kernel,
-                    outcome.reason,
-                    extra={**fields, "MESSAGE_ID": journal.MSG_NEXT_KERNEL_FAILED},
+                    extra={**fields, "MESSAGE_ID": message_id},
                 )
         return outcome
 

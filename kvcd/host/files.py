@@ -141,20 +141,29 @@ def _fsync_dir(directory: Path) -> None:
 # --- reading -----------------------------------------------------------------------------------
 
 
+def _open_own(path: Path, flags: int) -> int:
+    """os.open with O_NOFOLLOW among `flags`; Refused when a symlink (ELOOP), a socket (ENXIO)
+    or a directory is there; EACCES and the like stay OSError."""
+    try:
+        return os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EISDIR):
+            raise Refused(path, _lstat_describe(path)) from None
+        raise
+
+
+def _must_be_regular(fd: int, path: Path) -> None:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise Refused(path, describe(mode))
+
+
 def open_regular(path: Path) -> BinaryIO:
     """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
     exist, Refused for a symlink or a special file (without blocking on a FIFO)."""
+    fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        # ELOOP: the last component is a symlink; ENXIO: a socket; EACCES etc. stay OSError.
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK):
-            raise Refused(path, _lstat_describe(path)) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(path, describe(st.st_mode))
+        _must_be_regular(fd, path)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -309,7 +318,7 @@ def locked(path: Path) -> Iterator[None]:
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         try:
-            fd = os.open(path, flags)
+            fd = _open_own(path, flags)
             break
         except FileNotFoundError:
             try:
@@ -321,14 +330,8 @@ def locked(path: Path) -> Iterator[None]:
                 if exc.errno == errno.ELOOP:  # a dangling symlink appeared there
                     raise Refused(path, "is a symlink") from None
                 raise
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EISDIR):
-                raise Refused(path, _lstat_describe(path)) from None
-            raise
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(path, describe(st.st_mode))
+        _must_be_regular(fd, path)
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

@@ -46,7 +46,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -180,6 +180,12 @@ def active_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """The store directory the instance's ``extra/`` link points at (in the system tree: the
     one its installed copy came from), or None when inactive."""
     link = extra_link(root, kernel, instance)
+    return _link_target(link, _installed_from if root.system_tree else None)
+
+
+def _link_target(link: Path, of_dir: Callable[[Path], Path | None] | None) -> Path | None:
+    """Where kvcd's symlink `link` points (None: absent). A directory there is `of_dir`'s to
+    read (in the system tree), else refused: kvcd only manages symlinks there."""
     try:
         return Path(os.readlink(link))
     except FileNotFoundError:
@@ -187,8 +193,8 @@ def active_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        if root.system_tree and link.is_dir():
-            return _installed_from(link)
+        if of_dir is not None and link.is_dir():
+            return of_dir(link)
         raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
 
 
@@ -375,16 +381,8 @@ def weak_link(root: HostRoot, kernel: str, instance: str) -> Path:
 def weak_updates_store(root: HostRoot, kernel: str, instance: str) -> Path | None:
     """The store directory ``weak-updates/<instance>`` points at for `kernel`, or None."""
     link = weak_link(root, kernel, instance)
-    try:
-        return Path(os.readlink(link))
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        if root.system_tree and link.is_dir():  # weak-modules' own links, file by file
-            return None
-        raise KmodError(f"{link} is not a symlink; kvcd only manages symlinks there") from exc
+    # In the system tree a directory there holds weak-modules' own links, file by file.
+    return _link_target(link, (lambda _d: None) if root.system_tree else None)
 
 
 def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Path | None:

@@ -12,6 +12,7 @@ import pytest
 
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.core import drain as hs
+from kvcd.core import state
 from kvcd.core.attempts import RETRY
 from kvcd.daemon import extensions
 from kvcd.daemon.drain import Drain
@@ -69,13 +70,13 @@ def test_stale() -> None:
 
 # claim kind, drain-current, outcome -> action, state, reason code
 AFTER_ROWS = [
-    ("", hs.IDLE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", hs.DRAIN_PENDING),
-    ("", hs.IDLE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", hs.REBOOT_PENDING),
+    ("", hs.IDLE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
+    ("", hs.IDLE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
     ("", hs.IDLE, hs.APPLIED, hs.NOTHING, "", ""),
     ("", hs.DRAIN_COMPLETE, hs.FAILED, hs.NOTHING, "", ""),
     (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
-    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", hs.STILL_IN_USE),
-    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Working", hs.DRAIN_PENDING),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", state.MODULE_IN_USE),
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Working", state.DRAIN_PENDING),
     (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
     (
         hs.DRAIN_REQUIRED,
@@ -83,9 +84,9 @@ AFTER_ROWS = [
         hs.UNLOADABLE,
         hs.REQUEST_REBOOT,
         "Degraded",
-        hs.REBOOT_PENDING,
+        state.REBOOT_PENDING,
     ),
-    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.UNLOADABLE, hs.KEEP, "Degraded", hs.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.UNLOADABLE, hs.KEEP, "Degraded", state.REBOOT_PENDING),
     (hs.REBOOT_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
 ]
 

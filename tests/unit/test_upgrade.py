@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvcd.config.loader import load_instance, load_settings
+from kvcd.core import state
 from kvcd.core import upgrade as up
 from kvcd.core.attempts import RETRY
 from kvcd.daemon import extensions
@@ -40,20 +41,20 @@ ROWS = [
     # label moved 1.0 -> 2.0 and config says 2.0: load 2.0 (the planner unloads 1.0 first)
     ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
     # label removed: unload (KMM step 4), whatever is loaded
-    (None, "1.0", True, "1.0", up.UNLOAD, "", up.LABEL_ABSENT),
-    (None, "2.0", True, "1.0", up.UNLOAD, "", up.LABEL_ABSENT),
-    ("", "1.0", False, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    (None, "1.0", True, "1.0", up.UNLOAD, "", state.LABEL_ABSENT),
+    (None, "2.0", True, "1.0", up.UNLOAD, "", state.LABEL_ABSENT),
+    ("", "1.0", False, None, up.UNLOAD, "", state.LABEL_ABSENT),
     # config moved to 2.0, label still 1.0 and 1.0 loaded: keep 1.0 until the label moves
-    ("1.0", "2.0", True, "1.0", up.HOLD, "Done", up.UPGRADE_PENDING),
+    ("1.0", "2.0", True, "1.0", up.HOLD, "Done", state.UPGRADE_PENDING),
     # label names a version the config does not have: nothing may be loaded
-    ("3.0", "2.0", False, None, up.UNLOAD, "", up.UPGRADE_PENDING),
-    ("1.0", "2.0", True, "2.0", up.UNLOAD, "", up.UPGRADE_PENDING),
-    ("3.0", "2.0", True, "1.0", up.UNLOAD, "", up.UPGRADE_PENDING),
+    ("3.0", "2.0", False, None, up.UNLOAD, "", state.UPGRADE_PENDING),
+    ("1.0", "2.0", True, "2.0", up.UNLOAD, "", state.UPGRADE_PENDING),
+    ("3.0", "2.0", True, "1.0", up.UNLOAD, "", state.UPGRADE_PENDING),
     # loaded but the version is unknown (a KVC hook instance): the label still decides
     ("1.0", "1.0", True, None, up.LOAD, "", ""),
-    (None, "1.0", True, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    (None, "1.0", True, None, up.UNLOAD, "", state.LABEL_ABSENT),
     # restart after unloading 1.0 (label removed), before the label came back as 2.0
-    (None, "2.0", False, None, up.UNLOAD, "", up.LABEL_ABSENT),
+    (None, "2.0", False, None, up.UNLOAD, "", state.LABEL_ABSENT),
     # restart after the label moved to 2.0 but before the swap happened: same decision as live
     ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
     # restart after the swap: 2.0 loaded, verify only
@@ -118,7 +119,7 @@ def test_extension_verdicts_follow_the_label(host: HostRoot) -> None:
     ext.start(ctx)
     try:
         v = ext.verdict(ctx, [])
-        assert v is not None and (v.verb, v.reason.split(":")[0]) == (UNLOAD, up.LABEL_ABSENT)
+        assert v is not None and (v.verb, v.reason.split(":")[0]) == (UNLOAD, state.LABEL_ABSENT)
         label(host, "1.0")
         v = ext.verdict(ctx, [])
         assert v is not None and v.verb == LOAD
