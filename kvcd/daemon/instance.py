@@ -21,7 +21,7 @@ from kvcd.core.types import Desired
 from kvcd.daemon.events import Verdict
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
-from kvcd.daemon.record import Record, boot_id, recorded_names
+from kvcd.daemon.record import Record, Writer, boot_id, recorded_names, writing
 from kvcd.host import files, journal, kmod
 from kvcd.host.paths import HostRoot
 
@@ -76,13 +76,13 @@ class Instance:
 
         `code` and `why` are kept as the Done record's reason when something other than the
         config chose the verb (e.g. "no device": Done, nothing loaded)."""
-        with files.locked(self.root.instance_lock(self.cfg.name)):
+        with writing(self.root, self.cfg.name) as w:
             # Node-wide, held from the ownership check to the Working record that claims the
             # modules (not through the work): two instances starting at once cannot both take
             # one module.
             with files.locked(self.root.owners_lock):
-                self._check_owner(verb, pid)
-                plan, record = self._claim(verb, pid)
+                self._check_owner(w, verb, pid)
+                plan, about = self._claim(w, verb, pid)
             try:
                 Executor(
                     self.root,
@@ -93,12 +93,11 @@ class Instance:
                     self.on_build_line,
                 ).apply(plan)
             except StepFailed as exc:
-                self._record(record, state.DEGRADED, exc.code, exc.detail)
+                _enter(w, about, state.DEGRADED, exc.code, exc.detail)
                 raise
-            self._record(record, state.DONE, code, why)
-            return record
+            return _enter(w, about, state.DONE, code, why)
 
-    def _check_owner(self, verb: str, pid: int | None) -> None:
+    def _check_owner(self, w: Writer, verb: str, pid: int | None) -> None:
         """One owner per module: refuse to load or unload a module another instance holds;
         its modules stay as they are, and this one says Degraded, ModuleOwned, naming both."""
         if verb == "build":
@@ -107,35 +106,27 @@ class Instance:
         found = owners.shared(self.cfg.name, mine, holders(self.root, self.cfg.name))
         if found:
             detail = owners.describe(self.cfg.name, found)
-            record_failure(self.root, self.cfg.name, self.kernel, state.MODULE_OWNED, detail, pid)
+            _fail(w, self.kernel, state.MODULE_OWNED, detail, pid)
             raise StepFailed(state.MODULE_OWNED, detail)
 
-    def _claim(self, verb: str, pid: int | None) -> tuple[Plan, Record]:
-        """The plan, and the record that says Working before anything changes (KMM: status
-        written before acting)."""
-        previous = Record.read(self.root, self.cfg.name)
-        generation = (previous.generation if previous else 0) + 1
+    def _claim(self, w: Writer, verb: str, pid: int | None) -> tuple[Plan, dict[str, Any]]:
+        """The plan, and what the instance's record is about from now on; the record says
+        Working before anything changes (KMM: status written before acting)."""
+        previous = w.read()
         plan = self.plan(verb)
-        record = Record(
-            instance=self.cfg.name,
-            state=state.WORKING,
-            goal="unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
-            version=self.cfg.version,
-            kernel=self.kernel,
-            boot_id=boot_id(self.root),
-            modules=[m.kernel_name for m in self.cfg.modules],
-            generation=generation,
-            pid=pid,
-        )
-        if previous is not None:  # the ledger and the next kernel's findings outlive it
-            record.attempt = previous.attempt
-            record.next_kernel = previous.next_kernel
-            record.next_kernel_state = previous.next_kernel_state
-            record.next_kernel_reason = previous.next_kernel_reason
+        about: dict[str, Any] = {
+            "goal": "unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
+            "version": self.cfg.version,
+            "kernel": self.kernel,
+            "boot_id": boot_id(self.root),
+            "modules": [m.kernel_name for m in self.cfg.modules],
+            "generation": (previous.generation if previous else 0) + 1,
+            "pid": pid,
+        }
         changes = [a for a in plan.actions if not isinstance(a, Verify)]
         if changes or plan.blocked:
-            self._record(record, state.WORKING, "", "")
-        return plan, record
+            _enter(w, about, state.WORKING, "", "")
+        return plan, about
 
     def intent(self, verdict: Verdict) -> str:
         """A digest of what a reconcile is asked to do: the config (with the variant chosen),
@@ -147,58 +138,74 @@ class Instance:
     def settle(self, ledger: Attempt) -> Record | None:
         """Record how the last attempt ended (the attempt ledger) in the record, nothing else
         (no record yet: nothing to add it to; the daemon keeps its own copy)."""
-        with files.locked(self.root.instance_lock(self.cfg.name)):
-            record = Record.read(self.root, self.cfg.name)
-            if record is not None and record.attempt != ledger:
-                record.attempt = ledger
-                record.write(self.root)
-            return record
+
+        def edit(record: Record) -> bool:
+            changed = record.attempt != ledger
+            record.attempt = ledger
+            return changed
+
+        with writing(self.root, self.cfg.name) as w:
+            return w.update(edit, create=False)
 
     def note(self, new_state: str, code: str, detail: str, *, pid: int | None = None) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's
         finding such as "waiting for links"). Goal, version and modules stay as last recorded."""
-        with files.locked(self.root.instance_lock(self.cfg.name)):
-            previous = Record.read(self.root, self.cfg.name)
-            record = previous or Record(
-                instance=self.cfg.name,
-                state=new_state,
-                version=self.cfg.version,
-                modules=[m.kernel_name for m in self.cfg.modules],
-            )
-            record.kernel = self.kernel
-            record.boot_id = boot_id(self.root)
-            record.generation += 1
-            record.pid = pid
-            if previous is None or not previous.says(new_state, code, detail):
-                self._record(record, new_state, code, detail)
-            else:
-                record.updated = time.time()
-                record.write(self.root)
-            return record
+        with writing(self.root, self.cfg.name) as w:
+            previous = w.read()
+            about: dict[str, Any] = {
+                "kernel": self.kernel,
+                "boot_id": boot_id(self.root),
+                "generation": (previous.generation if previous else 0) + 1,
+                "pid": pid,
+            }
+            if previous is None:
+                about["version"] = self.cfg.version
+                about["modules"] = [m.kernel_name for m in self.cfg.modules]
+            same = previous is not None and previous.says(new_state, code, detail)
+            return _enter(w, about, new_state, code, detail, quiet=same)
 
-    def _record(self, record: Record, new_state: str, code: str, detail: str) -> None:
-        record.state = new_state
-        record.code = code
-        record.detail = detail
+
+def _enter(
+    w: Writer,
+    about: dict[str, Any],
+    new_state: str,
+    code: str,
+    detail: str,
+    *,
+    quiet: bool = False,
+) -> Record:
+    """Write the instance section of the record (what it is about, its state and reason) and
+    say the new state in the journal (not when `quiet`: the same state again)."""
+
+    def edit(record: Record) -> bool:
+        for key, value in about.items():
+            setattr(record, key, value)
+        record.state, record.code, record.detail = new_state, code, detail
         record.updated = time.time()
-        record.write(self.root)
-        fields: dict[str, Any] = {
-            "KVCD_INSTANCE": record.instance,
-            "KVCD_KERNEL": record.kernel,
-            "KVCD_VERSION": record.version,
-            "KVCD_STATE": new_state,
-        }
-        if new_state == state.DEGRADED:
-            log.error(
-                "degraded: %s", record.reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
-            )
-        else:
-            log.info(
-                "state %s%s",
-                new_state,
-                f" ({record.goal})" if new_state == state.DONE else "",
-                extra=fields,
-            )
+        return True
+
+    record = w.update(edit)
+    assert record is not None  # update creates one
+    if quiet:
+        return record
+    fields: dict[str, Any] = {
+        "KVCD_INSTANCE": record.instance,
+        "KVCD_KERNEL": record.kernel,
+        "KVCD_VERSION": record.version,
+        "KVCD_STATE": new_state,
+    }
+    if new_state == state.DEGRADED:
+        log.error(
+            "degraded: %s", record.reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
+        )
+    else:
+        log.info(
+            "state %s%s",
+            new_state,
+            f" ({record.goal})" if new_state == state.DONE else "",
+            extra=fields,
+        )
+    return record
 
 
 def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
@@ -232,14 +239,18 @@ def record_failure(
     root: HostRoot, name: str, kernel: str, code: str, detail: str, pid: int | None = None
 ) -> None:
     """Write Degraded for an instance that could not even be planned (e.g. its config is bad)."""
-    previous = Record.read(root, name)
-    rec = previous or Record(instance=name, state=state.DEGRADED)
-    rec.state = state.DEGRADED
-    rec.code = code
-    rec.detail = detail
-    rec.kernel = kernel
-    rec.boot_id = boot_id(root)
-    rec.updated = time.time()
-    rec.generation += 1
-    rec.pid = pid
-    rec.write(root)
+    with writing(root, name) as w:
+        _fail(w, kernel, code, detail, pid)
+
+
+def _fail(w: Writer, kernel: str, code: str, detail: str, pid: int | None) -> None:
+    def edit(record: Record) -> bool:
+        record.state, record.code, record.detail = state.DEGRADED, code, detail
+        record.kernel = kernel
+        record.boot_id = boot_id(w.root)
+        record.updated = time.time()
+        record.generation += 1
+        record.pid = pid
+        return True
+
+    w.update(edit)

@@ -27,8 +27,8 @@ from kvcd.core.plan import plan_load
 from kvcd.daemon import storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
-from kvcd.daemon.record import Record
-from kvcd.host import bootloader, files, journal, rpmostree
+from kvcd.daemon.record import Record, writing
+from kvcd.host import bootloader, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 
@@ -305,7 +305,5 @@ class NextKernel(Extension):
     def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
         """Put the outcome into the record the service holds and into the state file."""
         _set_fields(record, outcome)
-        with files.locked(ctx.root.instance_lock(ctx.name)):
-            current = Record.read(ctx.root, ctx.name)
-            if current is not None and _set_fields(current, outcome):
-                current.write(ctx.root)
+        with writing(ctx.root, ctx.name) as w:
+            w.update(lambda current: _set_fields(current, outcome), create=False)

@@ -5,9 +5,10 @@ Kept apart from the instance machinery so `kvcd status` imports only this (it mu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,39 @@ def _from_reason(line: str) -> dict[str, str]:
     if code in state.REASONS:
         return {"code": code, "detail": detail}
     return {"code": "", "detail": line}
+
+
+class Writer:
+    """The one writer of an instance's record, used under its instance lock (`writing`): each
+    change reads the record (a damaged one set aside), edits its section, and writes the whole
+    file atomically, so the sections (instance, attempt, next kernel) never overwrite each
+    other. (Record.read's repair of a damaged file is the only other write.)"""
+
+    def __init__(self, root: HostRoot, name: str) -> None:
+        self.root = root
+        self.name = name
+
+    def read(self) -> Record | None:
+        return Record.read(self.root, self.name)
+
+    def update(self, edit: Callable[[Record], bool], *, create: bool = True) -> Record | None:
+        """Apply `edit` (False: nothing changed, nothing written) to the record; a new one
+        (Working) when there is none and `create`, else None."""
+        record = self.read()
+        if record is None:
+            if not create:
+                return None
+            record = Record(instance=self.name, state=state.WORKING)
+        if edit(record):
+            record.write(self.root)
+        return record
+
+
+@contextlib.contextmanager
+def writing(root: HostRoot, name: str) -> Iterator[Writer]:
+    """The instance lock, and the record's one writer while it is held."""
+    with files.locked(root.instance_lock(name)):
+        yield Writer(root, name)
 
 
 def _opt(check: Callable[[object], bool]) -> Callable[[object], bool]:

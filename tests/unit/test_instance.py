@@ -190,6 +190,35 @@ def test_second_load_touches_nothing_not_even_podman(host: HostRoot, fake_comman
     assert len(fake_commands.calls()) == before
 
 
+def test_the_record_sections_outlive_each_others_writes(host: HostRoot) -> None:
+    """One writer, sections apart: an apply, a failure and a note rewrite the instance section
+    and leave the attempt ledger and the next kernel's findings as they were."""
+    from kvcd.core.attempts import Attempt
+    from kvcd.daemon.instance import record_failure
+    from kvcd.daemon.record import writing
+
+    ledger = Attempt("abc", "ok")
+
+    def mark(rec: Record) -> bool:
+        rec.attempt = ledger
+        rec.next_kernel, rec.next_kernel_state = "6.2.0", "ready"
+        return True
+
+    with writing(host, "e2e") as w:
+        w.update(mark)
+    inst = instance(host, FakePodman(host, K))
+    for step in (
+        lambda: inst.apply("load"),
+        lambda: record_failure(host, "e2e", K, "ConfigInvalid", "x"),
+        lambda: inst.note("Working", "", "waiting for links: y"),
+    ):
+        step()
+        rec = Record.load(host, "e2e")
+        assert rec is not None and rec.attempt == ledger
+        assert (rec.next_kernel, rec.next_kernel_state) == ("6.2.0", "ready")
+    assert rec.reason == "waiting for links: y" and rec.version == "1.0"
+
+
 def test_store_survives_image_removal_cached_image_is_reused(host: HostRoot) -> None:
     pod = FakePodman(host, K)
     instance(host, pod).apply("load")
