@@ -33,15 +33,16 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.core.actions import AcquireImage, Extract, Hook
 from kvcd.core.state import StepFailed
 from kvcd.daemon import kabi as daemon_kabi
+from kvcd.daemon import store
 from kvcd.daemon.executor import Executor
-from kvcd.daemon.observe import MANIFEST, read_manifest, store_dir
+from kvcd.daemon.store import MANIFEST
 from kvcd.host import bootloader, elf, failpoint, files, kmod, modtree, symvers
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREPARING, READY, FAILED = "preparing", "ready", "failed"
-WEAK_FROM = "weak_updates_from"
 
 
 @dataclass(frozen=True)
@@ -76,37 +76,26 @@ def _dep_lists(root: HostRoot, kernel: str, instance: str) -> bool:
 def prepared_how(root: HostRoot, cfg: InstanceConfig, kernel: str) -> str | None:
     """How the configured version is ready for `kernel` ("weak-updates from A" / "built for
     B"), or None when it is not (not stored, not linked, or not indexed)."""
-    target = store_dir(root, cfg.name, cfg.version, kernel)
-    manifest = read_manifest(target)
-    if manifest is None or manifest.get("version") != cfg.version:
+    target = store.tree(root, cfg.name, cfg.version, kernel)
+    manifest = store.read_manifest(target)
+    if manifest is None or manifest.version != cfg.version:
         return None
     try:
         linked = modtree.linked_stores(root, kernel, cfg.name)
     except kmod.KmodError:
         return None
-    source = manifest.get(WEAK_FROM)
-    if _by_weak_modules(root) and isinstance(source, str):
+    source = manifest.weak_updates_from
+    if _by_weak_modules(root) and source:
         if modtree.weak_modules_missing(root, source, kernel, cfg.name):
             return None
     elif Path(os.path.abspath(target)) not in linked:
         return None
     if not _dep_lists(root, kernel, cfg.name):
         return None
-    if isinstance(source, str):
+    if source:
         how = " by weak-modules" if _by_weak_modules(root) else ""
         return f"weak-updates from {source}{how} (kABI-compatible)"
     return f"built for {kernel}"
-
-
-def _module_files(directory: Path, manifest: dict[str, Any]) -> list[Path]:
-    modules = manifest.get("modules")
-    if not isinstance(modules, dict):
-        return []
-    return [
-        directory / info["file"]
-        for _, info in sorted(modules.items())
-        if isinstance(info, dict) and isinstance(info.get("file"), str)
-    ]
 
 
 def _exports(root: HostRoot, nb: NextBoot) -> symvers.Symvers:
@@ -124,11 +113,11 @@ def check_weak(
     """(the store tree for `running` to reuse, "") when its modules are kABI-compatible with
     the next kernel, else (None, why not). Reads only."""
     assert nb.kernel is not None
-    source = store_dir(root, cfg.name, cfg.version, running)
-    manifest = read_manifest(source)
-    if manifest is None or manifest.get("version") != cfg.version:
+    source = store.tree(root, cfg.name, cfg.version, running)
+    manifest = store.read_manifest(source)
+    if manifest is None or manifest.version != cfg.version:
         return None, f"no extraction of {cfg.version} for {running} to reuse"
-    paths = _module_files(source, manifest)
+    paths = manifest.files(source)
     if not paths:
         return None, f"{source / MANIFEST} lists no module files"
     try:
@@ -147,7 +136,7 @@ def check_weak(
     return source, ""
 
 
-def _stage_weak_tree(source: Path, manifest: dict[str, Any], dest: Path, running: str) -> None:
+def _stage_weak_tree(source: Path, manifest: store.Manifest, dest: Path, running: str) -> None:
     """Hard links (copies across file systems) of `source`'s module files, plus a manifest for
     the next kernel, written under a temporary name and renamed into `dest`."""
     kernel = dest.name
@@ -155,14 +144,14 @@ def _stage_weak_tree(source: Path, manifest: dict[str, Any], dest: Path, running
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        for path in _module_files(source, manifest):
+        for path in manifest.files(source):
             target = tmp / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(path, target)
             except OSError:
                 shutil.copy2(path, target)
-        files.write_json(tmp / MANIFEST, {**manifest, "kernel": kernel, WEAK_FROM: running})
+        store.write_manifest(tmp, manifest.linked_for(kernel, running))
         if dest.exists():  # a leftover without a usable manifest (prepared_how said no)
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -186,8 +175,10 @@ def link_weak(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot, s
     KmodError/OSError after undoing what it wrote."""
     assert nb.kernel is not None
     kernel = nb.kernel
-    manifest = read_manifest(source) or {}
-    dest = store_dir(root, cfg.name, cfg.version, kernel)
+    manifest = store.read_manifest(source)
+    if manifest is None:  # check_weak read it a moment ago: someone removed it since
+        raise kmod.KmodError(f"{source / MANIFEST}: gone or damaged; not linked for {kernel}")
+    dest = store.tree(root, cfg.name, cfg.version, kernel)
     _stage_weak_tree(source, manifest, dest, running)
     try:
         modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
@@ -234,7 +225,7 @@ def build_ahead(
     for line in plan.describe():
         log.info("next kernel %s: %s", kernel, line, extra=fields)
     Executor(root, inst.cfg, inst.desired, podman, on_build_line=on_build_line).apply(plan)
-    target = store_dir(root, cfg.name, cfg.version, kernel)
+    target = store.tree(root, cfg.name, cfg.version, kernel)
     modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
     previous = modtree.activate(root, kernel, cfg.name, target)
     try:

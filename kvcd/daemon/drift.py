@@ -21,6 +21,7 @@ from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
 from kvcd.core.attempts import OBSERVE, RETRY
+from kvcd.daemon import store
 from kvcd.daemon.driftcheck import Check, drop_applied, regenerate
 from kvcd.daemon.driftstore import (
     baseline_path,
@@ -30,10 +31,8 @@ from kvcd.daemon.driftstore import (
     link_path,
     parse_baseline,
     read_record,
-    tree_entries,
 )
 from kvcd.daemon.events import HOLD, SKIP, Context, Event, Extension, Verdict
-from kvcd.daemon.observe import read_manifest
 from kvcd.daemon.record import Record
 from kvcd.host import files, journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, WatchLimit
@@ -360,16 +359,10 @@ class DriftMonitor(Extension):
             return None
         if previous.state != state.DONE and previous.code not in ours:
             return None
-        expected: dict[str, str | None] = {}
-        manifest = None
         active = modtree.active_store(ctx.root, ctx.kernel, ctx.name)
-        if active is not None:
-            manifest = read_manifest(active)
-        mods = manifest.get("modules") if manifest else None
-        for m in self.cfg.modules:
-            info = mods.get(m.kernel_name) if isinstance(mods, dict) else None
-            sv = info.get("srcversion") if isinstance(info, dict) else None
-            expected[m.kernel_name] = sv if isinstance(sv, str) else None
+        manifest = store.read_manifest(active) if active is not None else None
+        stored = manifest.srcversions() if manifest else {}
+        expected = {m.kernel_name: stored.get(m.kernel_name) for m in self.cfg.modules}
         loaded: dict[str, str | None] = {}
         for name in expected:
             lm = kmod.read_module(ctx.root, name)
@@ -439,8 +432,10 @@ class DriftMonitor(Extension):
         target = str(active) if active is not None else None
         entries: dict[str, dict[str, Any]] = {}
         if target is not None:
-            manifest = read_manifest(Path(os.path.normpath(os.path.join(link.parent, target))))
-            entries = tree_entries(manifest) if manifest is not None else {}
+            manifest = store.read_manifest(
+                Path(os.path.normpath(os.path.join(link.parent, target)))
+            )
+            entries = manifest.entries() if manifest is not None else {}
         # One expectation per kernel: the link kvcd left in each kernel's extra/. Kernels whose
         # directory is gone from the module root are forgotten.
         trees = old.get("trees")

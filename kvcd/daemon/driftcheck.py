@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcd.config.model import InstanceConfig
 from kvcd.core import drift as core
+from kvcd.daemon import store
 from kvcd.daemon.driftstore import (
     MODULE_SUFFIXES,
     baseline_path,
@@ -34,10 +35,9 @@ from kvcd.daemon.driftstore import (
     parse_baseline,
     parse_depmod_record,
     read_record,
-    tree_entries,
     unit_files,
 )
-from kvcd.daemon.observe import MANIFEST, read_manifest, store_dir
+from kvcd.daemon.store import MANIFEST
 from kvcd.host import files, kmod, modtree
 from kvcd.host.paths import HostRoot
 
@@ -112,9 +112,9 @@ class Check:
         there and nothing recorded (the plan extracts it)."""
         self.store = target
         self.watch_dirs.add(target)
-        manifest = read_manifest(target)
+        manifest = store.read_manifest(target)
         if manifest is not None:
-            return tree_entries(manifest)
+            return manifest.entries()
         if recorded and isinstance(tree.get("files"), dict):
             self.expected[str(target / MANIFEST)] = core.Expect(core.FILE)
             self.observed[str(target / MANIFEST)] = fact(target / MANIFEST)
@@ -347,7 +347,7 @@ def drop_applied(
     own = root.store(name)
     with files.locked(root.instance_lock(name)):
         link = link_path(root, kernel, name)
-        drop = {store_dir(root, name, version, kernel)}
+        drop = {store.tree(root, name, version, kernel)}
         if link.is_symlink():
             drop.add(Path(os.path.normpath(os.path.join(link.parent, os.readlink(link)))))
         elif link.is_dir() and root.system_tree:

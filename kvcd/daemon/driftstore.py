@@ -181,16 +181,6 @@ def baseline_tree(baseline: dict[str, Any], kernel: str) -> dict[str, Any]:
     return tree if isinstance(tree, dict) else {}
 
 
-def tree_entries(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The module files a store manifest lists: relative path -> {sha256, mode}."""
-    mods = manifest.get("modules")
-    out: dict[str, dict[str, Any]] = {}
-    for info in (mods if isinstance(mods, dict) else {}).values():
-        if isinstance(info, dict) and isinstance(info.get("file"), str):
-            out[info["file"]] = {"sha256": info.get("sha256"), "mode": info.get("mode")}
-    return out
-
-
 # An index name: "modules." and words (modules.dep, modules.alias.bin …). depmod's scratch
 # names, renamed into place, are not: "<index>.tmp" (older kmod) or "<index>.<pid>.<n>.<time>"
 # (kmod 30+); their events are kvcd's own depmod at work and never a reason to re-validate.

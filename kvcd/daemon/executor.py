@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig
 from kvcd.core import actions as act
@@ -23,7 +23,7 @@ from kvcd.core import state
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
-from kvcd.daemon.observe import MANIFEST, store_dir
+from kvcd.daemon import store
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
@@ -243,7 +243,7 @@ class Executor:
     def _extract(self, a: act.Extract) -> None:
         from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
-        dest = store_dir(self.root, self.cfg.name, a.version, a.kernel)
+        dest = store.tree(self.root, self.cfg.name, a.version, a.kernel)
         if dest.exists():  # an earlier extraction that never got its manifest
             shutil.rmtree(dest)
         try:
@@ -257,9 +257,9 @@ class Executor:
         except StepFailed:
             shutil.rmtree(dest, ignore_errors=True)
             raise
-        files.write_json(dest / MANIFEST, manifest)
+        store.write_manifest(dest, manifest)
 
-    def _manifest(self, dest: Path, found: list[Path], a: act.Extract) -> dict[str, Any]:
+    def _manifest(self, dest: Path, found: list[Path], a: act.Extract) -> store.Manifest:
         by_name: dict[str, Path] = {}
         for path in found:
             by_name[path.name.split(".ko")[0].replace("-", "_")] = path
@@ -270,7 +270,7 @@ class Executor:
                 f"{a.tag} has no {', '.join(m + '.ko' for m in missing)} under {a.path_in_image}"
                 f" (found: {', '.join(sorted(p.name for p in found)) or 'nothing'})",
             )
-        modules: dict[str, Any] = {}
+        modules: dict[str, store.StoredModule] = {}
         for name, path in sorted(by_name.items()):
             try:
                 info = modfiles.modinfo(path)
@@ -283,15 +283,15 @@ class Executor:
                     f"{path.name} in {a.tag} was built for {vermagic or 'an unknown kernel'}, "
                     f"not {a.kernel}",
                 )
-            modules[name] = {
-                "file": str(path.relative_to(dest)),
-                "sha256": _sha256(path),
-                "mode": path.stat().st_mode & 0o7777,
-                "srcversion": _first(info, "srcversion"),
-                "version": _first(info, "version"),
-                "vermagic": vermagic,
-            }
-        return {"version": a.version, "kernel": a.kernel, "image": a.tag, "modules": modules}
+            modules[name] = store.StoredModule(
+                file=str(path.relative_to(dest)),
+                sha256=_sha256(path),
+                mode=path.stat().st_mode & 0o7777,
+                srcversion=_first(info, "srcversion"),
+                version=_first(info, "version"),
+                vermagic=vermagic,
+            )
+        return store.Manifest(a.version, a.kernel, a.tag, modules)
 
     def _collect(self, keep: int) -> None:
         from kvcd.host.podtypes import PodmanError, PodmanUnavailable
@@ -306,7 +306,7 @@ class Executor:
 
     # -- module root and kernel ----------------------------------------------------------------
     def _activate(self, a: act.Activate, attempt: Attempt) -> None:
-        target = store_dir(self.root, self.cfg.name, a.version, a.kernel)
+        target = store.tree(self.root, self.cfg.name, a.version, a.kernel)
         try:
             modtree.prepare_kernel_tree(self.root, a.kernel)
             previous = modtree.activate(self.root, a.kernel, self.cfg.name, target)

@@ -125,28 +125,17 @@ def instance_modules(root: HostRoot, instance: str) -> tuple[str, str, list[Path
 
     Newest = the most recently written manifest: the last build or pull that completed.
     """
-    # Here, not at the top: observe pulls in kvcd.host.kmod and the config model (~80 ms),
-    # which a check of a .ko path does not need.
-    from kvcd.daemon.observe import MANIFEST, read_manifest
+    # Here, not at the top: the store pulls in the config model, which a check of a .ko path
+    # does not need.
+    from kvcd.daemon.store import newest_manifests
 
-    base = root.store(instance)
-    manifests = sorted(
-        (path.stat().st_mtime_ns, path) for path in base.glob(f"*/*/{MANIFEST}") if path.is_file()
-    )
-    for _, path in reversed(manifests):
-        manifest = read_manifest(path.parent)
-        modules = manifest.get("modules") if manifest else None
-        if not manifest or not isinstance(modules, dict):
-            continue
-        files = [
-            path.parent / info["file"]
-            for _, info in sorted(modules.items())
-            if isinstance(info, dict) and isinstance(info.get("file"), str)
-        ]
+    for tree, manifest in newest_manifests(root, instance):
+        files = manifest.files(tree)
         if files:
-            return str(manifest.get("version", "?")), path.parent.name, files
+            return manifest.version, tree.name, files
     raise TargetNotFound(
-        f"instance {instance} has no extracted modules in {base} (kvcd build {instance} first)"
+        f"instance {instance} has no extracted modules in {root.store(instance)} "
+        f"(kvcd build {instance} first)"
     )
 
 

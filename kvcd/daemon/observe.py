@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
-from kvcd.config.model import ConfigError, InstanceConfig, Settings, tag_safe
+from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
+from kvcd.daemon import store
 from kvcd.host import files, kmod, modtree, rpmostree
 from kvcd.host.paths import HostRoot
-
-MANIFEST = ".kvcd-manifest.json"
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +45,6 @@ def host_for(root: HostRoot, settings: Settings) -> HostRoot:
     return replace(root, system_tree=system)
 
 
-def store_dir(root: HostRoot, instance: str, version: str, kernel: str) -> Path:
-    return root.store(instance) / tag_safe(version) / kernel
-
-
-def read_manifest(directory: Path) -> dict[str, Any] | None:
-    try:
-        data = files.read_json(directory / MANIFEST)
-    except files.Damaged as exc:  # an incomplete tree: the plan extracts it again
-        log.warning("%s", exc)
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def stored_versions(root: HostRoot, instance: str, kernel: str) -> dict[str, dict[str, Any]]:
-    """version -> manifest, for every complete extraction of this instance for `kernel`."""
-    out: dict[str, dict[str, Any]] = {}
-    base = root.store(instance)
-    if not base.is_dir():
-        return out
-    for vdir in sorted(base.iterdir()):
-        manifest = read_manifest(vdir / kernel)
-        if manifest is not None and isinstance(manifest.get("version"), str):
-            out[manifest["version"]] = manifest
-    return out
-
-
 def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
     """modules.dep exists, is newer than the active link, and lists the instance's modules."""
     kdir = root.kernel_dir(kernel)
@@ -88,30 +59,26 @@ def _depmod_current(root: HostRoot, kernel: str, instance: str) -> bool:
 
 
 def observe(root: HostRoot, d: Desired) -> Observed:
-    stored = stored_versions(root, d.instance, d.kernel)
+    stored = store.stored_versions(root, d.instance, d.kernel)
     try:
         active_dir = modtree.active_store(root, d.kernel, d.instance)
     except kmod.KmodError as exc:  # e.g. a directory kvcd did not install in /lib/modules
         raise StepFailed(state.INSTALL_FAILED, str(exc)) from exc
     active = None
     if active_dir is not None:
-        manifest = read_manifest(active_dir)
-        active = manifest.get("version") if manifest else None
+        manifest = store.read_manifest(active_dir)
+        active = manifest.version if manifest else None
     loaded: dict[str, ModState] = {}
     for m in d.modules:
         lm = kmod.read_module(root, m.kernel_name)
         if lm is not None:
             loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion)
-    want = stored.get(d.version, {}).get("modules", {})
+    want = stored.get(d.version)
     return Observed(
         kernel=d.kernel,
         stored=frozenset(stored),
-        active=active if isinstance(active, str) else None,
+        active=active,
         depmod_current=active is not None and _depmod_current(root, d.kernel, d.instance),
         loaded=loaded,
-        stored_srcversion={
-            name: info["srcversion"]
-            for name, info in want.items()
-            if isinstance(info, dict) and info.get("srcversion")
-        },
+        stored_srcversion=want.srcversions() if want else {},
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 from kvcd.config.loader import list_instances
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import storegc
-from kvcd.daemon import driftstore
+from kvcd.daemon import driftstore, store
 from kvcd.host import files, kmod, modtree, rpmostree
 from kvcd.host.paths import HostRoot
 
@@ -75,13 +75,7 @@ def collect(
     removed: list[str] = []
     with files.locked(root.instance_lock(cfg.name)):
         base = root.store(cfg.name)
-        trees: list[storegc.Tree] = []
-        with suppress(FileNotFoundError):
-            for vdir in sorted(p for p in base.iterdir() if p.is_dir()):
-                for kdir in sorted(p for p in vdir.iterdir() if p.is_dir()):
-                    if kdir.name.startswith("."):  # a staging directory: not a tree
-                        continue
-                    trees.append(storegc.Tree(vdir.name, kdir.name))
+        trees = [storegc.Tree(t.parent.name, t.name) for t in store.trees(root, cfg.name)]
         stale = storegc.stale(trees, installed=installed)
         for kernel in sorted({t.kernel for t in stale}):  # kvcd's links into a gone kernel first
             with suppress(kmod.KmodError):  # a directory kvcd did not install stays

@@ -21,8 +21,8 @@ import pytest
 from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
-from kvcd.daemon import ahead
-from kvcd.daemon.observe import desired_for, observe, read_manifest, store_dir
+from kvcd.daemon import ahead, store
+from kvcd.daemon.observe import desired_for, observe
 from kvcd.host import kmod, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
@@ -118,7 +118,7 @@ def test_install_is_a_copy_in_the_system_tree(system_root: HostRoot, kmods: Buil
     both = [str(copy / "kvcd_base.ko"), str(copy / "kvcd_user.ko")]
     assert modprobe_paths(root, a, "kvcd_user") == both
     # Switch to another version: the copy is replaced whole, the previous tree is returned.
-    v2 = store_dir(root, INSTANCE, "2.0", a)
+    v2 = store.tree(root, INSTANCE, "2.0", a)
     v2.mkdir(parents=True)
     (v2 / "kvcd_base.ko").write_bytes(kmods.base.read_bytes())
     assert modtree.activate(root, a, INSTANCE, v2) == source
@@ -186,8 +186,8 @@ def test_weak_modules_is_told_and_makes_the_next_kernel_ready(
         str(copy / n) for n in ("kvcd_base.ko", "kvcd_user.ko")
     ]
     assert [vermagic(p) for p in paths] == [a, a]
-    manifest = read_manifest(store_dir(root, INSTANCE, "1.0", B))
-    assert manifest is not None and manifest["weak_updates_from"] == a
+    manifest = store.read_manifest(store.tree(root, INSTANCE, "1.0", B))
+    assert manifest is not None and manifest.weak_updates_from == a
     # Asked again: prepared, weak-modules is not run again.
     calls = weak_modules.read_text()
     again = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
@@ -208,7 +208,7 @@ def test_a_version_without_a_module_tells_weak_modules_it_is_gone(
     root, a = system_root, kmods.kernel
     modtree.prepare_kernel_tree(root, a)
     modtree.activate(root, a, INSTANCE, extracted(root, kmods))
-    v2 = store_dir(root, INSTANCE, "2.0", a)
+    v2 = store.tree(root, INSTANCE, "2.0", a)
     v2.mkdir(parents=True)
     (v2 / "kvcd_base.ko").write_bytes(kmods.base.read_bytes())
     weak_modules.write_text("")
@@ -239,7 +239,7 @@ def test_weak_modules_linking_nothing_means_a_build(
         f"weak-updates failed: weak-modules did not link kvcd_base.ko, kvcd_user.ko into {B}'s"
         in out.reason
     )
-    assert not store_dir(root, INSTANCE, "1.0", B).exists()
+    assert not store.tree(root, INSTANCE, "1.0", B).exists()
     assert not (root.kernel_dir(B) / "extra" / INSTANCE).exists()
 
 

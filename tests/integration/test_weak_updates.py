@@ -25,8 +25,8 @@ import pytest
 from kvcd.config.model import InstanceConfig, ModuleSpec, Settings
 from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.plan import plan_load
-from kvcd.daemon import ahead
-from kvcd.daemon.observe import MANIFEST, desired_for, observe, read_manifest, store_dir
+from kvcd.daemon import ahead, store
+from kvcd.daemon.observe import desired_for, observe
 from kvcd.host import files, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
@@ -67,14 +67,14 @@ def make_kernel(root: HostRoot, kernel: str, symvers_text: str | None) -> Path:
 
 def extracted(root: HostRoot, kmods: BuiltKmods, modules: list[Path] | None = None) -> Path:
     """The instance's extraction for A, with the manifest the executor writes."""
-    d = store_dir(root, INSTANCE, "1.0", kmods.kernel)
+    d = store.tree(root, INSTANCE, "1.0", kmods.kernel)
     d.mkdir(parents=True)
     entries: dict[str, Any] = {}
     for ko in modules or [kmods.base, kmods.user]:
         shutil.copy(ko, d / ko.name)
         entries[ko.stem] = {"file": ko.name, "srcversion": None, "vermagic": kmods.kernel}
     manifest = {"version": "1.0", "kernel": kmods.kernel, "image": "t", "modules": entries}
-    files.write_json(d / MANIFEST, manifest)
+    files.write_json(d / store.MANIFEST, manifest)
     return d
 
 
@@ -123,7 +123,7 @@ def test_compatible_next_kernel_resolves_the_modules_built_for_a(
 
     assert out == ahead.Outcome(B, "ready", f"weak-updates from {a} (kABI-compatible)")
     tree = root.kernel_dir(B)
-    assert modtree.weak_updates_store(root, B, INSTANCE) == store_dir(root, INSTANCE, "1.0", B)
+    assert modtree.weak_updates_store(root, B, INSTANCE) == store.tree(root, INSTANCE, "1.0", B)
     assert modtree.active_store(root, B, INSTANCE) is None  # extra/ stays for real builds for B
     # kmod's own answer: B resolves both modules, from weak-updates, as built for A.
     paths = modprobe_paths(root, B, "kvcd_user")
@@ -133,9 +133,9 @@ def test_compatible_next_kernel_resolves_the_modules_built_for_a(
     assert run(["modprobe", "--dry-run", "-d", str(root.module_root), "-S", B, "kvcd_user"]).rc == 0
     # Hard links of A's files, and a manifest that says where they came from.
     assert os.path.samefile(paths[1], source / "kvcd_user.ko")
-    manifest = read_manifest(store_dir(root, INSTANCE, "1.0", B))
+    manifest = store.read_manifest(store.tree(root, INSTANCE, "1.0", B))
     assert manifest is not None
-    assert (manifest["kernel"], manifest["weak_updates_from"]) == (B, a)
+    assert (manifest.kernel, manifest.weak_updates_from) == (B, a)
     # Idempotent: a second pass finds it prepared and writes nothing.
     mtime = (tree / "modules.dep").stat().st_mtime_ns
     again = ahead.prepare(root, Settings(), config(), a, nb, podman=DownPodman)
@@ -201,7 +201,7 @@ def test_system_weak_updates_stay_visible(tmp_path: Path, kmods: BuiltKmods) -> 
 
 
 def _nothing_for(root: HostRoot, kernel: str) -> None:
-    assert not store_dir(root, INSTANCE, "1.0", kernel).exists()
+    assert not store.tree(root, INSTANCE, "1.0", kernel).exists()
     assert not (root.kernel_dir(kernel) / "weak-updates" / INSTANCE).exists()
     assert not (root.kernel_dir(kernel) / "extra" / INSTANCE).exists()
     leftovers = list(root.store(INSTANCE).glob("1.0/.*"))
@@ -339,7 +339,7 @@ def test_daemon_prepares_the_next_kernel_and_boots_it_without_a_build(
     (tmp_path / "bin" / "depmod").unlink()  # the real depmod indexes the real modules
     for name in ("modules.builtin.modinfo", "modules.order"):
         (root.system_modules(K) / name).write_text("")
-    extraction = store_dir(root, "e2e", "1.0", K)
+    extraction = store.tree(root, "e2e", "1.0", K)
     for ko in (kmods.base, kmods.user):
         shutil.copy(ko, extraction / ko.name)
     make_kernel(root, B, kmods.kernel_symvers.read_text())

@@ -18,10 +18,9 @@ import pytest
 
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core.attempts import RETRY
-from kvcd.daemon import ahead, driftstore, nextkernel, status, storegc
+from kvcd.daemon import ahead, driftstore, nextkernel, status, store, storegc
 from kvcd.daemon.events import SKIP, Context, Event
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
-from kvcd.daemon.observe import read_manifest, store_dir
 from kvcd.daemon.record import Record
 from kvcd.host import journal, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
@@ -76,7 +75,7 @@ def running_extraction(root: HostRoot) -> Path:
 def weak_verdict(compatible: bool) -> Any:
     def check(root: HostRoot, cfg: InstanceConfig, running: str, nb: NextBoot) -> Any:
         if compatible:
-            return store_dir(root, cfg.name, cfg.version, running), ""
+            return store.tree(root, cfg.name, cfg.version, running), ""
         return None, f"kABI-incompatible with {nb.kernel}: kvcd_base: 0 missing, 1 with another CRC"
 
     return check
@@ -141,16 +140,16 @@ def test_prepare(
     assert builds(pod) == built
     if want != READY:
         if kernel and kernel != A:
-            assert not store_dir(host, NAME, "1.0", kernel).exists()
+            assert not store.tree(host, NAME, "1.0", kernel).exists()
         return
     assert kernel is not None
-    target = store_dir(host, NAME, "1.0", kernel)
+    target = store.tree(host, NAME, "1.0", kernel)
     linked = modtree.weak_updates_store(host, kernel, NAME) if case == "weak" else None
     active = modtree.active_store(host, kernel, NAME)
     assert (linked or active) == target
-    manifest = read_manifest(target)
-    assert manifest is not None and manifest["kernel"] == kernel
-    assert manifest.get("weak_updates_from") == (A if case == "weak" else None)
+    manifest = store.read_manifest(target)
+    assert manifest is not None and manifest.kernel == kernel
+    assert manifest.weak_updates_from == (A if case == "weak" else "")
     # Ready means prepared: asking again changes nothing and builds nothing.
     again = ahead.prepare(host, Settings(), cfg, A, next_boot(host, kernel), lambda: pod)
     assert again.state == READY and builds(pod) == built
@@ -171,7 +170,7 @@ def test_failed_build_leaves_no_link_for_the_next_kernel(
     assert out.reason.startswith("BuildFailed: build failed at STEP 2/2")
     assert "kABI-incompatible" in out.reason
     assert modtree.active_store(host, B, NAME) is None
-    assert not store_dir(host, NAME, "1.0", B).exists()
+    assert not store.tree(host, NAME, "1.0", B).exists()
 
 
 def test_depmod_failure_undoes_the_weak_link(
@@ -359,7 +358,7 @@ def test_first_start_on_the_prepared_kernel_says_no_build(
     if not keep:
         import shutil
 
-        shutil.rmtree(store_dir(host, NAME, "1.0", B))
+        shutil.rmtree(store.tree(host, NAME, "1.0", B))
     record(host, kernel=A, next_kernel=recorded, next_kernel_state=rstate, next_kernel_reason="x")
     ext = NextKernel(Settings(), detector=lambda _r: next_boot(host, B))
     ctx, _ = context(host, config(host), kernel=B)
@@ -563,7 +562,7 @@ def test_clean_up_keeps_trees_other_instances_link(host: HostRoot) -> None:
     prepared_weak(host, C)
     theirs = prepared_weak(host, C, instance="other")
     removed = storegc.collect(host, config(host), A, None)
-    assert removed == [f"{store_dir(host, NAME, '1.0', C)} (kernel {C} not installed)"]
+    assert removed == [f"{store.tree(host, NAME, '1.0', C)} (kernel {C} not installed)"]
     assert modtree.weak_updates_store(host, C, "other") == theirs  # not this instance's to drop
     assert host.kernel_dir(C).is_dir()
 
@@ -634,7 +633,7 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     ext.verdict(ctx, [Event("next-kernel", "look")])
     ext.after(ctx, rec)
     assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
-    prepared = store_dir(host, NAME, "1.0", B)
+    prepared = store.tree(host, NAME, "1.0", B)
     assert prepared.is_dir()
 
     shutil.rmtree(host.system_modules(B))  # dnf remove kernel-core-B

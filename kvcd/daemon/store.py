@@ -1,0 +1,169 @@
+"""The module store: one tree of extracted module files per instance, version and kernel
+(`/var/lib/kvcd/modules/<instance>/<version>/<kernel>/`, DESIGN.md "Module root"), each with its
+manifest `.kvcd-manifest.json`. The one room that knows this layout and the manifest's fields;
+everyone else reads a typed Manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvcd.config.model import tag_safe
+from kvcd.host import files
+from kvcd.host.paths import HostRoot
+
+log = logging.getLogger(__name__)
+
+MANIFEST = ".kvcd-manifest.json"
+
+
+@dataclass(frozen=True)
+class StoredModule:
+    """One module file of a tree, as extracted (or hard-linked there from another kernel's)."""
+
+    file: str  # relative to the tree
+    sha256: str | None = None
+    mode: int | None = None
+    srcversion: str | None = None
+    version: str | None = None
+    vermagic: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: str
+    kernel: str
+    image: str = ""
+    modules: dict[str, StoredModule] = field(default_factory=dict)  # kernel name -> file
+    # The running kernel whose extraction was hard-linked here because it passed the kABI
+    # check for this one ("": extracted for this kernel).
+    weak_updates_from: str = ""
+
+    def files(self, tree: Path) -> list[Path]:
+        """The tree's module files, in module-name order."""
+        return [tree / m.file for _, m in sorted(self.modules.items())]
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """What drift expects of the tree: relative path -> {sha256, mode}."""
+        return {m.file: {"sha256": m.sha256, "mode": m.mode} for m in self.modules.values()}
+
+    def srcversions(self) -> dict[str, str]:
+        return {name: m.srcversion for name, m in self.modules.items() if m.srcversion}
+
+    def linked_for(self, kernel: str, running: str) -> Manifest:
+        """This manifest for a tree of `kernel` made of hard links to this one's files."""
+        return replace(self, kernel=kernel, weak_updates_from=running)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not self.weak_updates_from:
+            del data["weak_updates_from"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> Manifest | None:
+        """The manifest in `data`; None when it is not one (a field missing or of the wrong
+        type: the tree is treated as incomplete and extracted again)."""
+        if not isinstance(data, dict):
+            return None
+        head = (data.get("version"), data.get("kernel"), data.get("image", ""))
+        weak = data.get("weak_updates_from", "")
+        mods = data.get("modules", {})
+        if not all(isinstance(v, str) for v in (*head, weak)) or not isinstance(mods, dict):
+            return None
+        modules = {}
+        for name, info in mods.items():
+            module = _module(info)
+            if module is None:
+                return None
+            modules[str(name)] = module
+        version, kernel, image = head
+        return cls(version, kernel, image, modules, weak)  # type: ignore[arg-type]
+
+
+def _module(info: object) -> StoredModule | None:
+    if not isinstance(info, dict) or not isinstance(info.get("file"), str):
+        return None
+    optional_str = ("sha256", "srcversion", "version", "vermagic")
+    if any(not isinstance(info.get(k), (str, type(None))) for k in optional_str):
+        return None
+    mode = info.get("mode")
+    if mode is not None and (not isinstance(mode, int) or isinstance(mode, bool)):
+        return None
+    return StoredModule(
+        file=info["file"],
+        sha256=info.get("sha256"),
+        mode=mode,
+        srcversion=info.get("srcversion"),
+        version=info.get("version"),
+        vermagic=info.get("vermagic"),
+    )
+
+
+def tree(root: HostRoot, instance: str, version: str, kernel: str) -> Path:
+    """The store tree of `instance`'s `version` for `kernel`."""
+    return root.store(instance) / tag_safe(version) / kernel
+
+
+def trees(root: HostRoot, instance: str) -> list[Path]:
+    """Every tree of the instance (complete or not; not the staging directories, whose names
+    start with a dot), sorted."""
+    base = root.store(instance)
+    found: list[Path] = []
+    with contextlib.suppress(FileNotFoundError):
+        for vdir in sorted(p for p in base.iterdir() if p.is_dir()):
+            found.extend(
+                k for k in sorted(vdir.iterdir()) if k.is_dir() and not k.name.startswith(".")
+            )
+    return found
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    """The manifest of the tree `directory`; None when there is none or it is not whole (the
+    plan then extracts the tree again)."""
+    try:
+        data = files.read_json(directory / MANIFEST)
+    except files.Damaged as exc:
+        log.warning("%s", exc)
+        return None
+    if data is None:
+        return None
+    manifest = Manifest.from_json(data)
+    if manifest is None:
+        log.warning("%s: not a store manifest; the tree is extracted again", directory / MANIFEST)
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    files.write_json(directory / MANIFEST, manifest.to_json())
+
+
+def stored_versions(root: HostRoot, instance: str, kernel: str) -> dict[str, Manifest]:
+    """version -> manifest, for every complete extraction of this instance for `kernel`."""
+    out: dict[str, Manifest] = {}
+    base = root.store(instance)
+    if not base.is_dir():
+        return out
+    for vdir in sorted(base.iterdir()):
+        manifest = read_manifest(vdir / kernel)
+        if manifest is not None:
+            out[manifest.version] = manifest
+    return out
+
+
+def newest_manifests(root: HostRoot, instance: str) -> list[tuple[Path, Manifest]]:
+    """Every tree of the instance with its manifest, the most recently written first."""
+    base = root.store(instance)
+    found = sorted(
+        (path.stat().st_mtime_ns, path) for path in base.glob(f"*/*/{MANIFEST}") if path.is_file()
+    )
+    out = []
+    for _, path in reversed(found):
+        manifest = read_manifest(path.parent)
+        if manifest is not None:
+            out.append((path.parent, manifest))
+    return out
