@@ -269,7 +269,10 @@ class Service:
         Transient failures retry with backoff until a signal interrupts.
         """
         try:
-            return self._reconcile(events or [])
+            # Everything a cycle runs, the after-hooks of a skipped one too (a next-kernel build
+            # ahead), may work long: the watchdog is fed from a thread meanwhile.
+            with _Keepalive(self.notify):
+                return self._reconcile(events or [])
         except files.Refused as exc:
             # A symlink or special file where kvcd keeps its own state: kvcd can record nothing,
             # and does not remove what someone else put there. Say so and keep running: the next
@@ -304,23 +307,19 @@ class Service:
             return self._after(inst, None)
         self.retry_at = None  # this is the try (a failure arms the timer again)
         try:
-            with _Keepalive(self.notify):
-                try:
-                    if verdict.verb == HOLD:
-                        record = inst.note(
-                            verdict.state, verdict.code, verdict.detail, pid=os.getpid()
-                        )
-                    else:
-                        record = inst.apply(
-                            verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
-                        )
-                    record = self._settle(inst, attempts.succeeded(intent)) or record
-                    # After-hooks may work long too (next-kernel builds ahead): keep feeding.
-                    return self._after(inst, record)
-                except files.Refused:
-                    raise  # not the host's refusal: someone's file where kvcd's belongs
-                except OSError as exc:  # a full /var, a read-only /run: wait and retry
-                    raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
+            try:
+                if verdict.verb == HOLD:
+                    record = inst.note(verdict.state, verdict.code, verdict.detail, pid=os.getpid())
+                else:
+                    record = inst.apply(
+                        verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
+                    )
+                record = self._settle(inst, attempts.succeeded(intent)) or record
+                return self._after(inst, record)
+            except files.Refused:
+                raise  # not the host's refusal: someone's file where kvcd's belongs
+            except OSError as exc:  # a full /var, a read-only /run: wait and retry
+                raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
         except StepFailed as exc:
             if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
                 self.config_invalid = True

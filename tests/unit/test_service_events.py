@@ -293,6 +293,40 @@ def test_a_permanent_failure_is_retried_on_reload_not_on_every_event(
     svc.stop_extensions()
 
 
+class _Pinging(fakehost.RecordingNotifier):
+    """A notifier whose watchdog wants a ping every 20 ms, and counts them."""
+
+    pings = 0
+
+    def watchdog_interval(self) -> float | None:
+        return 0.02
+
+    def watchdog(self) -> None:
+        self.pings += 1
+
+
+class _SlowAfter(Scripted):
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        time.sleep(0.3)  # a next-kernel build ahead in a cycle of its own
+        return super().after(ctx, record)
+
+
+@pytest.mark.parametrize("verdict", [None, Verdict(SKIP)], ids=["applied", "skipped"])
+def test_the_watchdog_is_fed_through_long_after_hooks(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, verdict: Verdict | None
+) -> None:
+    """A skipped cycle's after-hooks run as long as an applied one's (next-kernel prepares in
+    a cycle of its own events, which changes nothing): systemd's watchdog must not kill it."""
+    use(monkeypatch, _SlowAfter(verdicts=[None, verdict]))
+    n = _Pinging()
+    svc = Service(host, "e2e", K, n)
+    assert svc.reconcile([Event("start", kind=RETRY)]) is not None
+    n.pings = 0
+    svc.reconcile([Event("scripted", "next kernel")])
+    assert n.pings >= 5  # 300 ms at 20 ms, with room for a slow machine
+    svc.stop_extensions()
+
+
 def test_the_ledger_outlives_a_restart_and_status_shows_it(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch, fake_commands: Any
 ) -> None:
