@@ -44,6 +44,9 @@ class Activate:
 
     version: str
     kernel: str
+    # The kernel's own module directory when it is not where the host keeps them (a staged
+    # rpm-ostree deployment's, for a kernel prepared ahead); "" = root.system_modules(kernel).
+    modules_dir: str = ""
 
     def describe(self) -> str:
         return (

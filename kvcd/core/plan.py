@@ -116,6 +116,18 @@ def plan_load(d: Desired, o: Observed) -> Plan:
     return Plan(tuple(actions), rollback_to=rollback_to)
 
 
+def plan_prepare(d: Desired, o: Observed) -> Plan:
+    """The desired version ready for a kernel that is not running yet (the next kernel): in
+    the store and active, indexed, in that kernel's module tree. Nothing is loaded: the running
+    kernel's modules are not this plan's business."""
+    if d.hooks:
+        return Plan(blocked="a KVC hook library builds at boot, not ahead")
+    actions: list[Action] = list(plan_build(d, o).actions)
+    if not (o.active == d.version and o.depmod_current):
+        actions.append(Activate(d.version, d.kernel, d.modules_dir))
+    return Plan(tuple(actions))
+
+
 def plan_unload(d: Desired, o: Observed) -> Plan:
     """Unload the instance's modules in reverse order; refuse up front if any is held."""
     names = _names(d)

@@ -43,6 +43,9 @@ class Desired:
     # A KVC instance with a root-owned <name>-lib.sh: its functions replace the native steps.
     hooks: bool = False
     keep_images: int = 3
+    # For a kernel that is not running yet: its module directory, when the host does not keep
+    # it where a booted kernel's are (Activate.modules_dir).
+    modules_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
-from kvcd.core.actions import AcquireImage, Extract, Hook
+from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.state import StepFailed
 from kvcd.daemon import kabi as daemon_kabi
 from kvcd.daemon import store
@@ -211,31 +211,28 @@ def build_ahead(
     podman: Callable[[], Podman],
     on_build_line: Callable[[str], None] = lambda _s: None,
 ) -> str:
-    """The instance's normal build plan for the next kernel, then B's extra/ link and depmod.
-    Returns the ready reason; raises StepFailed or KmodError."""
+    """The instance's "prepare" plan for the next kernel (build, extract, activate in B's tree,
+    depmod; the executor rolls back what fails). Returns the ready reason; raises StepFailed."""
     from kvcd.daemon.instance import Instance
 
     assert nb.kernel is not None
     kernel = nb.kernel
-    inst = Instance(root, settings, cfg, kernel, podman=podman, on_build_line=on_build_line)
-    plan = inst.plan("build")
-    if any(isinstance(a, Hook) for a in plan.actions):
-        raise StepFailed(state.HOOK_FAILED, "a KVC hook library builds at boot, not ahead")
+    inst = Instance(
+        root,
+        settings,
+        cfg,
+        kernel,
+        podman=podman,
+        on_build_line=on_build_line,
+        modules_dir=nb.modules_dir,
+    )
+    plan = inst.plan("prepare")
+    if plan.blocked:
+        raise StepFailed(state.HOOK_FAILED, plan.blocked)
     fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": kernel}
     for line in plan.describe():
         log.info("next kernel %s: %s", kernel, line, extra=fields)
     Executor(root, inst.cfg, inst.desired, podman, on_build_line=on_build_line).apply(plan)
-    target = store.tree(root, cfg.name, cfg.version, kernel)
-    modtree.prepare_kernel_tree(root, kernel, system=nb.modules_dir)
-    previous = modtree.activate(root, kernel, cfg.name, target)
-    try:
-        kmod.depmod(root, kernel)
-    except kmod.KmodError:
-        if previous is None:
-            modtree.deactivate(root, kernel, cfg.name)
-        else:
-            modtree.activate(root, kernel, cfg.name, previous)
-        raise
     built = any(isinstance(a, (AcquireImage, Extract)) for a in plan.actions)
     return f"built for {kernel}" if built else f"already extracted for {kernel}"
 

@@ -308,7 +308,8 @@ class Executor:
     def _activate(self, a: act.Activate, attempt: Attempt) -> None:
         target = store.tree(self.root, self.cfg.name, a.version, a.kernel)
         try:
-            modtree.prepare_kernel_tree(self.root, a.kernel)
+            system = Path(a.modules_dir) if a.modules_dir else None
+            modtree.prepare_kernel_tree(self.root, a.kernel, system=system)
             previous = modtree.activate(self.root, a.kernel, self.cfg.name, target)
         except (kmod.KernelTreeMissing, kmod.StoreMissing) as exc:
             raise StepFailed(state.KERNEL_TREE_MISSING, str(exc)) from exc

@@ -7,7 +7,8 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcd.config.model import InstanceConfig, Settings
@@ -30,7 +31,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERBS = {"build": planner.plan_build, "load": planner.plan_load, "unload": planner.plan_unload}
+VERBS = {
+    "build": planner.plan_build,
+    "load": planner.plan_load,
+    "unload": planner.plan_unload,
+    "prepare": planner.plan_prepare,
+}
 
 
 class Instance:
@@ -44,6 +50,7 @@ class Instance:
         on_step: Callable[[str], None] = lambda _s: None,
         on_build_line: Callable[[str], None] = lambda _s: None,
         podman: Callable[[], Podman] | None = None,
+        modules_dir: Path | None = None,
     ) -> None:
         self.root = root
         self.settings = settings
@@ -52,6 +59,7 @@ class Instance:
 
         self.cfg, self.no_variant = resolve_variant(root, settings, cfg, kernel)
         self.kernel = kernel
+        self.modules_dir = modules_dir  # for a kernel prepared ahead (plan "prepare")
         self.on_step = on_step
         self.on_build_line = on_build_line
         self._podman = podman or self._default_podman
@@ -63,7 +71,8 @@ class Instance:
 
     @property
     def desired(self) -> Desired:
-        return desired_for(self.cfg, self.kernel)
+        d = desired_for(self.cfg, self.kernel)
+        return replace(d, modules_dir=str(self.modules_dir)) if self.modules_dir else d
 
     def plan(self, verb: str) -> Plan:
         if self.no_variant is not None and verb != "unload":

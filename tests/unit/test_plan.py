@@ -14,7 +14,7 @@ from kvcd.core.actions import (
     Unload,
     Verify,
 )
-from kvcd.core.plan import plan_build, plan_load, plan_unload
+from kvcd.core.plan import plan_build, plan_load, plan_prepare, plan_unload
 from kvcd.core.types import Desired, ModState, ModuleSpec, Observed
 
 K = "6.1.0-56-amd64"
@@ -232,3 +232,66 @@ def test_kvc_hooks_replace_native_steps(why, planner, loaded, steps) -> None:  #
 
 def test_build_is_noop_when_stored() -> None:
     assert plan_build(D, obs(stored=frozenset({"2.0"}))).describe() == ["nothing to do"]
+
+
+# The next kernel, before the reboot: in the store and active (indexed) in its module tree;
+# nothing is loaded or unloaded, whatever is loaded in the running kernel.
+DEPLOYMENT = "/ostree/deploy/os/deploy/abc.0/usr/lib/modules/" + K
+PREPARE_TABLE = [
+    (
+        "nothing for the kernel yet: build, extract, activate",
+        obs(),
+        "",
+        [ACQUIRE, EXTRACT, CollectImages(2), Activate("2.0", K)],
+    ),
+    (
+        "extracted but not active: activate only",
+        obs(stored=frozenset({"2.0"})),
+        "",
+        [Activate("2.0", K)],
+    ),
+    (
+        "another version active: activate the configured one",
+        obs(stored=frozenset({"1.0", "2.0"}), active="1.0", depmod_current=True),
+        "",
+        [Activate("2.0", K)],
+    ),
+    (
+        "active but not indexed: activate again (depmod)",
+        obs(stored=frozenset({"2.0"}), active="2.0", depmod_current=False),
+        "",
+        [Activate("2.0", K)],
+    ),
+    (
+        "prepared: nothing to do",
+        obs(stored=frozenset({"2.0"}), active="2.0", depmod_current=True),
+        "",
+        [],
+    ),
+    (
+        "loaded modules of the running kernel are not this plan's business",
+        obs(stored=frozenset({"2.0"}), loaded=LOADED_OLD),
+        "",
+        [Activate("2.0", K)],
+    ),
+    (
+        "a staged deployment's module directory goes with the activation",
+        obs(stored=frozenset({"2.0"})),
+        DEPLOYMENT,
+        [Activate("2.0", K, DEPLOYMENT)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "observed", "modules_dir", "steps"), PREPARE_TABLE, ids=[r[0] for r in PREPARE_TABLE]
+)
+def test_plan_prepare(why: str, observed: Observed, modules_dir: str, steps: list[object]) -> None:
+    plan = plan_prepare(Desired(**{**D.__dict__, "modules_dir": modules_dir}), observed)
+    assert plan.blocked is None and plan.rollback_to is None
+    assert list(plan.actions) == steps
+
+
+def test_a_hook_library_is_not_prepared_ahead() -> None:
+    plan = plan_prepare(Desired(**{**D.__dict__, "hooks": True}), obs())
+    assert plan.actions == () and plan.blocked == "a KVC hook library builds at boot, not ahead"
