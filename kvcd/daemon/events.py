@@ -11,7 +11,9 @@ CPU and nothing polls. Each feature beside the core lifecycle is an `Extension`:
   read at start and after every reconcile while no timer of that extension is armed, so an
   extension may arm one later (a deadline) by returning a value then.
 - `verdict(ctx, events)` runs before each reconcile with the events that caused it and may
-  redirect it: load (the default), unload, or hold (change nothing, record a state and reason).
+  redirect it: load (the default), unload, hold (change nothing on the host, record a state and
+  reason) or skip (change nothing at all: its events found nothing to act on). Whether the
+  verdict is applied again after it failed is the attempt ledger's call (kvcd/core/attempts.py).
   The first extension that returns a verdict wins, in the order of `extensions.build`.
 - `after(ctx, record)` runs after each reconcile with the recorded outcome and may replace its
   state and reason (e.g. "Working: waiting for links"); it is also where results are reported.

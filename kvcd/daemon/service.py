@@ -266,7 +266,8 @@ class Service:
         """One reconcile: the extensions' verdict (default: load), applied, then amended.
 
         Returns the final record, or None when the config is invalid or a step failed for good.
-        Transient failures retry with backoff until a signal interrupts.
+        A transient failure arms the back-off timer (`retry_at`) and returns None; the loop
+        tries again when it ends, serving events meanwhile.
         """
         try:
             # Everything a cycle runs, the after-hooks of a skipped one too (a next-kernel build
