@@ -17,6 +17,10 @@ CPU and nothing polls. Each feature beside the core lifecycle is an `Extension`:
   The first extension that returns a verdict wins, in the order of `extensions.build`.
 - `after(ctx, record)` runs after each reconcile with the recorded outcome and may replace its
   state and reason (e.g. "Working: waiting for links"); it is also where results are reported.
+- `wants_idle()` / `idle(ctx)`: idle work (next-kernel preparation). The loop runs `idle`
+  after READY=1, when no event or signal is waiting, for each extension whose `wants_idle()`
+  says so; a build there never holds back READY=1, a reload or a reconcile. It changes no state
+  of the running instance; to have the node told, it posts itself an event (a cycle that SKIPs).
 - `stop()` stops its watchers; it is called on exit and before the set is rebuilt on reload.
 """
 
@@ -133,4 +137,10 @@ class Extension:
         return None
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
+        return None
+
+    def wants_idle(self) -> bool:
+        return False
+
+    def idle(self, ctx: Context) -> None:
         return None

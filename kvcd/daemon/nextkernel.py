@@ -8,10 +8,10 @@ grubenv, /boot, / (Debian's vmlinuz links), and on rpm-ostree hosts /run/ostree 
 deployment directories (kvcd/host/fswatch.py, inotify; no polling loop; a timer only when the
 inotify limit is reached). A watch event is only a trigger.
 
-The work happens in a reconcile cycle of its own: the extension posts itself an event, and a
-cycle caused by its events alone changes nothing (SKIP: no retry of the running kernel's load)
-while the after-hook detects and prepares (kvcd/daemon/ahead.py) on the main thread. So READY=1
-at start and `kvcd reload` never wait for a build ahead.
+The work is idle work (Extension.idle): the loop detects and prepares (kvcd/daemon/ahead.py) on
+the main thread after READY=1, when no event waits, so READY=1 at start and `kvcd reload` never
+wait for a build ahead. A cycle caused by this extension's events alone changes nothing (SKIP:
+no retry of the running kernel's load); it is how a new outcome reaches the node report.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from kvcd.daemon.ahead import FAILED, NONE, PREPARING, READY, Outcome, prepare
 log = logging.getLogger(__name__)
 
 SOURCE = "next-kernel"
+# The fallback timer's event (no inotify watches): look again.
+_TIMER = Event(SOURCE, "timer")
 # How an outcome is told in the journal: level, text (kernel, reason), MESSAGE_ID.
 _SAID = {
     READY: (logging.INFO, "next kernel %s: ready (%s)", journal.MSG_NEXT_KERNEL_READY),
@@ -93,7 +95,7 @@ def _default_podman(settings: Settings) -> Callable[[], Podman]:
 
 
 class NextKernel(Extension):
-    """Watches for the next kernel and prepares the instance for it from `after` (main thread).
+    """Watches for the next kernel and prepares the instance for it as idle work (main thread).
 
     `detector`, `podman` and `watch` are seams for tests (defaults: :func:`detect`, a Podman
     client of the settings' socket, a kvcd.host.fswatch.DirWatch).
@@ -115,10 +117,7 @@ class NextKernel(Extension):
         self.watch_factory = watch
         self.watcher: DirWatch | None = None
         self.watch_failed = False
-        self.dirty = True  # look on start; watch events and reloads set it again
-        self.ours_only = False  # the current cycle was caused by our events alone
-        self.deferred = False  # our own "look for the next kernel" event is pending
-        self.reached = False  # our verdict ran in the current cycle (no earlier one decided)
+        self.dirty = True  # look (idle work); start, reload and watch events set it again
         self.outcome: Outcome | None = None
         self.last_unknown = ""
 
@@ -172,17 +171,14 @@ class NextKernel(Extension):
 
     # -- hooks -----------------------------------------------------------------------------------
     def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
-        self.reached = True
-        if any(e.source == SOURCE for e in events):
-            self.deferred = False  # our request (if any) is this cycle
-        if any(e.source in (SOURCE, "start", "signal") for e in events):
-            self.dirty = True
+        if any(e.source in ("start", "signal") or e == _TIMER for e in events):
+            self.dirty = True  # (a watch event set it in the watcher already)
         if any(e.source == "start" for e in events):
             self.report_boot(ctx)
-        self.ours_only = bool(events) and all(e.source == SOURCE for e in events)
-        if self.ours_only:
-            # Only the boot configuration changed: nothing about the running kernel's modules
-            # does, so change nothing (no retry of a Degraded load); `after` prepares.
+        if events and all(e.source == SOURCE for e in events):
+            # Only the boot configuration changed (or our idle work is done, to be reported):
+            # nothing about the running kernel's modules does, so change nothing (no retry of a
+            # Degraded load). The preparation is idle work, after the cycle.
             return Verdict(SKIP)
         return None
 
@@ -212,25 +208,26 @@ class NextKernel(Extension):
             extra={**fields, "MESSAGE_ID": journal.MSG_NEXT_KERNEL_PREPARED},
         )
 
+    def wants_idle(self) -> bool:
+        return self.dirty
+
+    def idle(self, ctx: Context) -> None:
+        """Look for the next kernel and prepare for it: never inside a start, reload or other
+        reconcile, where a build would hold back READY=1 or `kvcd reload`. A changed outcome
+        posts an event: its cycle (a SKIP) lets the node reporter publish it."""
+        self.dirty = False
+        record = Record.read(ctx.root, ctx.name)
+        if record is None:  # not even started once: nothing to prepare for yet
+            return
+        before = self.outcome
+        self.outcome = self.refresh(ctx, record)
+        self.collect(ctx)
+        self.write(ctx, record, self.outcome)
+        if self.outcome != before:
+            ctx.post(Event(SOURCE, f"next kernel {self.outcome.kernel or 'none'}"))
+
     def after(self, ctx: Context, record: Record) -> Verdict | None:
-        """Prepare in a cycle of our own (our events only, the instance held as it is): never
-        inside a start, reload or other reconcile, where a build would hold back READY=1 or
-        `kvcd reload`. Otherwise ask for that cycle (once, until a cycle reaches us again)."""
-        reached, self.reached = self.reached, False
-        if self.dirty or self.outcome is None:
-            if self.ours_only:
-                self.dirty = False
-                self.outcome = self.refresh(ctx, record)
-                self.collect(ctx)
-            elif reached and not self.deferred:
-                self.deferred = True
-                ctx.post(Event(SOURCE, "look for the next kernel"))
-            elif not reached:
-                # An earlier extension decided this cycle (e.g. drift holds): our request may
-                # have gone with it. Ask again from the next cycle that reaches us, not now
-                # (posting from a held cycle would spin while the hold lasts).
-                self.deferred = False
-        self.ours_only = False
+        """The record the other hooks see (and the node gets) carries the last outcome."""
         if self.outcome is not None:
             self.write(ctx, record, self.outcome)
         elif record.next_kernel == ctx.kernel:  # recorded before the reboot into it: done

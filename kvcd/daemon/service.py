@@ -387,6 +387,8 @@ class Service:
                 events: list[Event] = []
                 reload_seq = None
                 while not events:
+                    if started:
+                        self._idle()
                     events = self._wait(None)
                     if self._take(signal.SIGTERM, signal.SIGINT):
                         return self.stop()
@@ -408,6 +410,19 @@ class Service:
             self.stop_extensions()
             with contextlib.suppress(FileNotFoundError):
                 self.root.pid_file(self.name).unlink()
+
+    def _idle(self) -> None:
+        """Idle work of the extensions that want it, while no event or signal waits."""
+        for ext in self.exts:
+            if self._pending or self.mail.pending() or self.ctx is None:
+                return
+            if not ext.wants_idle():
+                continue
+            try:
+                with _Keepalive(self.notify):
+                    ext.idle(self.ctx)
+            except Exception:  # one extension's chore must not take the instance down
+                log.exception("extension %s: idle work failed", ext.name, extra=self.fields)
 
     def _announce(self, record: Record | None, ready: bool) -> bool:
         """READY=1 once the outcome is settled (Done or Degraded, not Working); STATUS= always."""

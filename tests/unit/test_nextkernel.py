@@ -19,7 +19,7 @@ import pytest
 from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core.attempts import RETRY
 from kvcd.daemon import ahead, driftstore, nextkernel, status, store, storegc
-from kvcd.daemon.events import SKIP, Context, Event
+from kvcd.daemon.events import SKIP, Context, Event, Verdict
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.record import Record
 from kvcd.host import journal, kmod, modfiles, modtree
@@ -259,44 +259,43 @@ def test_extension_prepares_on_start_and_on_watch_events(
     assert ext.interval() is None  # inotify, no timer
 
     def cycle(events: list[Event]) -> Any:
-        """What the service does with a batch: verdict, then the after-hook on the record."""
+        """What the service does with a batch: verdict, then the after-hook on the record; then,
+        with no event waiting, the idle work it wants."""
         got = ext.verdict(ctx, events)
         assert ext.after(ctx, rec) is None
+        if ext.wants_idle():
+            ext.idle(ctx)
         return got
 
-    # Start: no detection, no build inside the start's reconcile (READY=1 would wait); a cycle
-    # of its own is requested instead.
+    # Start: no detection inside the start's reconcile (READY=1 would wait): idle work after it.
     rec = record(host)
-    assert cycle([Event("start", kind=RETRY)]) is None
-    assert asked == [] and posted == [Event("next-kernel", "look for the next kernel")]
-    # Another extension's event before that: no second request.
-    cycle([Event("drift", "timer")])
-    assert len(posted) == 1
-    # The requested cycle: the instance is left as it is (SKIP); nothing known yet.
-    skip = cycle(posted[:])
-    assert skip is not None and skip.verb == SKIP
-    assert len(asked) == 1 and (rec.next_kernel, rec.next_kernel_state) == ("", "")
-    # A reconcile without an event of ours does not look again.
+    assert ext.verdict(ctx, [Event("start", kind=RETRY)]) is None
+    assert ext.after(ctx, rec) is None and asked == [] and ext.wants_idle()
+    ext.idle(ctx)
+    assert len(asked) == 1 and not ext.wants_idle()
+    assert posted == [Event("next-kernel", "next kernel none")]  # the outcome, to be reported
+    skip = cycle(posted[:])  # its cycle changes nothing and does not look again
+    assert skip is not None and skip.verb == SKIP and len(asked) == 1
+    # A reconcile without a reason to look does not look again.
     cycle([Event("drift", "timer")])
     assert len(asked) == 1 and len(posted) == 1
 
-    # A kernel is installed: the watch fires, the next cycle (ours alone) prepares it.
+    # A kernel is installed: the watch fires; its cycle SKIPs, the idle work prepares it.
     watches[0].on_change(host("/boot/initrd.img-6.1.0-57-amd64"))  # not a boot-config change
-    assert len(posted) == 1
+    assert len(posted) == 1 and not ext.wants_idle()
     watches[0].on_change(host("/boot/loader/entries/x.conf"))
     assert posted[-1] == Event("next-kernel", str(host("/boot/loader/entries/x.conf")))
-    cycle(posted[-1:])
+    assert cycle(posted[-1:]).verb == SKIP
     assert builds(pod) == [B] and len(asked) == 2
     saved = Record.read(host, NAME)
     assert saved is not None
     assert (saved.next_kernel, saved.next_kernel_state) == (B, READY)
     assert saved.next_kernel_reason.startswith(f"built for {B}")
-    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
     assert saved.state == "Done"  # the running instance is untouched
-    # A reconcile of the instance rewrites its record; the after-hook puts the fields back.
-    fresh = record(host)
-    ext.after(ctx, fresh)
-    assert Record.read(host, NAME).next_kernel == B  # type: ignore[union-attr]
+    assert posted[-1] == Event("next-kernel", f"next kernel {B}")
+    # The reported cycle: the record the node reporter gets carries the outcome.
+    cycle(posted[-1:])
+    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY) and len(asked) == 2
     # `kvcd status` shows it.
     text = status.render(status.collect(host, NAME))
     assert f"  next kernel {B}: ready (built for {B}" in text
@@ -498,25 +497,22 @@ def test_kabi_knob(case: str, line: str, want: str) -> None:
     assert str(err.value).startswith(f"/etc/kvcd/instances/{want}")
 
 
-def test_request_is_not_lost_or_repeated_while_another_extension_holds(host: HostRoot) -> None:
-    """Cycles an earlier extension decides (our verdict is not asked) post nothing, however many;
-    the first cycle that reaches us again asks for the look once."""
-    asked: list[int] = []
-    ext = NextKernel(Settings(), detector=lambda _r: asked.append(1) or NONE_BOOT)  # type: ignore[func-returns-value]
-    ctx, posted = context(host, config(host))
-    rec = record(host)
-    ext.verdict(ctx, [Event("start", kind=RETRY)])
-    ext.after(ctx, rec)
-    assert len(posted) == 1
-    for _ in range(5):  # drift holds: our request is eaten, verdict never reaches us
-        ext.after(ctx, rec)
-    assert len(posted) == 1 and asked == []
-    ext.verdict(ctx, [Event("drift", "resolved")])  # reaches us again: one new request
-    ext.after(ctx, rec)
-    assert len(posted) == 2
-    ext.verdict(ctx, posted[-1:])
-    ext.after(ctx, rec)
-    assert asked == [1] and len(posted) == 2
+def test_idle_work_is_wanted_again_on_start_reload_and_the_fallback_timer(host: HostRoot) -> None:
+    """Other cycles (drift, udev, the node) never ask for a look; start, reload, the fallback
+    timer and a watch event (set by the watcher itself) do."""
+    ext = NextKernel(Settings(), detector=lambda _r: NONE_BOOT)
+    ctx, _ = context(host, config(host))
+    record(host)
+    for events, wanted in (
+        ([Event("start", kind=RETRY)], True),
+        ([Event("drift", "resolved"), Event("udev", "add")], False),
+        ([Event("signal", "reload", kind=RETRY)], True),
+        ([Event("next-kernel", "next kernel none")], False),
+        ([Event("next-kernel", "timer")], True),
+    ):
+        ext.dirty = False
+        ext.verdict(ctx, events)
+        assert ext.wants_idle() is wanted, events
 
 
 # --- store clean-up (kvcd/daemon/storegc.py; the rule: tests/unit/test_storegc.py) ----------
@@ -630,7 +626,7 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     ctx, posted = context(host, config(host))
     ext.start(ctx)
     rec = record(host)
-    ext.verdict(ctx, [Event("next-kernel", "look")])
+    ext.idle(ctx)
     ext.after(ctx, rec)
     assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
     prepared = store.tree(host, NAME, "1.0", B)
@@ -639,7 +635,8 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     shutil.rmtree(host.system_modules(B))  # dnf remove kernel-core-B
     answers.append(next_boot(host, None))
     watches[0].on_change(host("/boot/loader/entries/x-B.conf"))
-    ext.verdict(ctx, posted[-1:])
+    assert ext.verdict(ctx, posted[-1:]) == Verdict(SKIP) and ext.wants_idle()
+    ext.idle(ctx)
     ext.after(ctx, rec)
     assert not prepared.exists() and not host.kernel_dir(B).exists()
     assert rec.next_kernel == ""

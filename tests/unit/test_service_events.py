@@ -214,6 +214,40 @@ def test_events_from_threads_wake_the_loop_and_batch(
     assert "STOPPING=1" in n.sent
 
 
+def test_idle_work_runs_after_ready_when_no_event_waits(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Next-kernel preparation is idle work: never before READY=1, never while an event waits;
+    what it posts is the next cycle."""
+    n = fakehost.RecordingNotifier()
+
+    class Chore(Extension):
+        name = "chore"
+
+        def __init__(self) -> None:
+            self.todo = True
+            self.saw_ready: list[bool] = []
+
+        def wants_idle(self) -> bool:
+            return self.todo
+
+        def idle(self, ctx: Context) -> None:
+            self.todo = False
+            self.saw_ready.append(any(s.startswith("READY=1") for s in n.sent))
+            ctx.post(Event("chore", "done"))
+
+    def second(count: int, events: list[Event]) -> None:
+        if count == 2:
+            sigterm()
+
+    chore, ext = Chore(), Scripted(on_verdict=second)
+    use(monkeypatch, chore, ext)
+    svc = Service(host, "e2e", K, n)
+    assert svc.run() == 0
+    assert chore.saw_ready == [True]
+    assert ext.seen == [[Event("start", kind=RETRY)], [Event("chore", "done")]]
+
+
 def test_timer_events_come_at_the_interval_and_only_when_asked(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
