@@ -1,32 +1,5 @@
-"""KVC compatibility: read `/etc/kvc/<name>.conf` as data, never as shell.
-
-KVC sourced these files with bash. kvcd does not run them: this is a small lexer for the safe
-subset of shell assignments they actually use, and anything outside it is a :class:`ConfigError`
-naming file:line and what was found (so a command hidden in a conf is reported, not executed).
-
-Accepted:
-
-- blank lines, ``# comments`` (also after a value, separated by blanks; as in shell, a ``#``
-  inside a word is part of it);
-- ``export NAME`` alone (a no-op: every assignment is data for the hooks anyway);
-- ``[export ]NAME=VALUE``, one assignment per line, where VALUE concatenates
-  unquoted safe characters ``[A-Za-z0-9_./:,+=@%-]``, ``'single quoted'`` (literal, may span
-  lines), ``"double quoted"`` (``\\"`` ``\\\\`` ``\\$`` ``\\``` are escapes, any other backslash
-  is kept, as in bash), an unquoted ``\\c`` (the character c), and ``$NAME`` / ``${NAME}``
-  expanding a variable assigned earlier in the same file (or one given by the caller, e.g.
-  ``KVC_SOFTWARE_NAME``);
-- ``NAME=(word word ...)``: a plain array (KVC templates wrote ``KMOD_NAMES=(a b)``); its words
-  use the same rules, but an unquoted ``$X`` inside it is refused (shell would split and glob it).
-
-Refused, with the line: command substitution ``$(...)`` and backticks, arithmetic ``$((...))``,
-every other parameter expansion form (``${X:-y}``, ``${#X}``, ``$1``, ``$@`` ...), unknown
-variables, ``$'...'`` and ``$"..."``, unquoted ``; | & < > ( ) { } * ? [ ] ~ ! ^`` and other
-specials, anything after a value (``A=b c`` would run ``c``), lines that are not assignments
-(``source x``), ``NAME+=``, unterminated quotes (named by the line the quote opened), and line
-continuations (a backslash at the end of a line): a continuation can turn the next line into a
-command, so kvcd asks for the value on one line instead of guessing.
-
-Reads text only; runs nothing.
+"""KVC compatibility: read `/etc/kvc/<name>.conf` as data, never as shell. What the lexer accepts
+and refuses: docs/internals.md "KVC confs as data".
 """
 
 from __future__ import annotations

@@ -1,28 +1,5 @@
-"""Ready ahead for the next kernel: when the next kernel B differs from the running kernel A:
-
-1. already prepared (the configured version's store tree for B is what ``extra/<instance>`` or
-   ``weak-updates/<instance>`` of B's tree points at, and B's modules.dep lists it): ready;
-2. ``kabi = "weak-updates-first"`` (the default) and the modules extracted for A pass the kABI
-   check against B's exported CRCs: their files are hard-linked into a store tree for B (a
-   manifest that says ``weak_updates_from: A``), B's ``weak-updates/<instance>`` points at it,
-   depmod B: ready, no build;
-3. otherwise (``kabi = "rebuild"``, incompatible, no symvers, no extraction for A): the normal
-   build plan with kernel B (image for B, extract, collect), then ``extra/<instance>`` of B's
-   tree and depmod B: ready; a failed step: failed, with the reason.
-
-Either way the store holds the version for B, so the first start on B plans no image and no
-extraction: only the switch to it and the loads. That start logs "modules for B were prepared
-before the reboot; no build" (MESSAGE_ID MSG_NEXT_KERNEL_PREPARED).
-
-The outcome goes into the instance's Record (`next_kernel`, `next_kernel_state` = preparing |
-ready | failed, `next_kernel_reason`); the node reporter publishes it. Preparing never changes
-the running kernel's modules or the instance's own state.
-
-After each look, the store trees kernel updates left behind are removed (kvcd/daemon/storegc.py).
-
-Bad input leaves nothing half-written: the kABI check runs before anything is written, the
-store tree for B is staged under a temporary name and renamed, and a failure after that
-removes the link and the tree again.
+"""Ready ahead for the next kernel: already prepared, weak-updates by kABI, or the "prepare" plan
+(build, activate in its tree). The steps and their guarantees: docs/internals.md "Ready ahead".
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Events and extensions: how the world outside reaches the `kvcd run` loop.
-
-The loop sleeps in select() on one self-pipe. Signals and every event source (inotify, udev,
-netlink, node watch, next-kernel watch) wake it through the same pipe, so an idle daemon uses no
-CPU and nothing polls. Each feature beside the core lifecycle is an `Extension`:
-
-- `start(ctx)` starts its watchers; they may run in their own threads and call `ctx.post(Event)`
-  from there (thread-safe). Nothing else may be done from a watcher thread: every decision and
-  every change happens on the main thread, in `verdict` and `after`.
-- `interval()` asks for a periodic `Event(source=<name>, what="timer")` (None: never). It is
-  read at start and after every reconcile while no timer of that extension is armed, so an
-  extension may arm one later (a deadline) by returning a value then.
-- `verdict(ctx, events)` runs before each reconcile with the events that caused it and may
-  redirect it: load (the default), unload, hold (change nothing on the host, record a state and
-  reason) or skip (change nothing at all: its events found nothing to act on). Whether the
-  verdict is applied again after it failed is the attempt ledger's call (kvcd/core/attempts.py).
-  The first extension that returns a verdict wins, in the order of `extensions.build`.
-- `after(ctx, record)` runs after each reconcile with the recorded outcome and may replace its
-  state and reason (e.g. "Working: waiting for links"); it is also where results are reported.
-- `wants_idle()` / `idle(ctx)`: idle work (next-kernel preparation). The loop runs `idle`
-  after READY=1, when no event or signal is waiting, for each extension whose `wants_idle()`
-  says so; a build there never holds back READY=1, a reload or a reconcile. It changes no state
-  of the running instance; to have the node told, it posts itself an event (a cycle that SKIPs).
-- `stop()` stops its watchers; it is called on exit and before the set is rebuilt on reload.
+"""Events and extensions: how the world outside reaches the `kvcd run` loop. The loop sleeps in
+select() on one self-pipe that signals and every event source wake (no polling, ~0 CPU idle);
+each feature beside the core lifecycle is an `Extension` with the hooks below.
 """
 
 from __future__ import annotations
@@ -120,27 +99,44 @@ class Context:
 
 
 class Extension:
-    """Base class: every hook is optional (see the module docstring)."""
+    """Base class: every hook is optional. Hooks run on the main thread; a watcher thread may
+    only call `ctx.post(Event)`."""
 
     name = "extension"
 
     def start(self, ctx: Context) -> None:
+        """Start the watchers (their threads may `ctx.post`). Called on the first good config
+        and when a reload changes it."""
         return None
 
     def stop(self) -> None:
+        """Stop the watchers: on exit, and before the set is rebuilt on a reload."""
         return None
 
     def interval(self) -> float | None:
+        """A periodic `Event(<name>, "timer")` every so many seconds (None: never). Read at start
+        and after every reconcile while none is armed, so a deadline can be armed later."""
         return None
 
     def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        """Before each reconcile, with the events that caused it: redirect it (LOAD, the
+        default; UNLOAD; HOLD: change nothing on the host, record a state and reason; SKIP:
+        change nothing at all). The first extension with a verdict wins, in the order of
+        `extensions.build`. Whether a failed verdict is applied again is the attempt ledger's
+        call (kvcd/core/attempts.py)."""
         return None
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
+        """After each reconcile, with the recorded outcome: replace its state and reason (e.g.
+        "Working: waiting for links"), and report it."""
         return None
 
     def wants_idle(self) -> bool:
+        """Has idle work (thread-safe, cheap)."""
         return False
 
     def idle(self, ctx: Context) -> None:
+        """Idle work (next-kernel preparation): run by the loop after READY=1 when no event or
+        signal waits, so it never holds back READY=1, a reload or a reconcile. It changes no
+        state of the running instance; to have the node told, it posts itself an event."""
         return None

@@ -1,43 +1,6 @@
 """kvcd's module root: the mirror of the booted kernel's tree, the instances' extra/ and
 weak-updates/ links, and (module_tree = "system") installed copies told to weak-modules.
-
-This room may touch: the module root (``root.module_root``, kvcd's own tree that `depmod -b` and
-`modprobe -d` use), the instance stores it links to (read only), the booted kernel's module
-directory (``root.system_modules(k)``, read only, except that with ``module_tree = "system"`` it
-is the module root: see the end of this docstring), ``root.sys_module`` (read only) and, through
-:mod:`kvcd.host.kmsg`, the kernel log. Commands run only through :func:`kvcd.host.run.run`.
-
-Layout of the module root for one kernel ``k`` (DESIGN.md "Module root")::
-
-    <module_root>/lib/modules/<k>/
-        kernel -> /lib/modules/<k>/kernel         mirror: one symlink per system directory
-        updates -> /lib/modules/<k>/updates       (when the system has it), so depmod sees the
-                                                  booted kernel's own modules and in-tree
-                                                  dependencies resolve
-        modules.builtin, modules.builtin.modinfo, modules.order   copies of the system's
-        extra/<instance> -> <store>/<version>/<k>                 the active version
-        weak-updates/<instance> -> <store>/<version>/<k>          modules of another kernel,
-                                                                  kABI-compatible with <k>
-        weak-updates/.system -> /lib/modules/<k>/weak-updates     (when the system has it)
-        modules.dep, *.bin, …                                     written by depmod
-
-Symlinks, not copies: depmod and modprobe follow directory symlinks (measured: kmod 30), and a
-symlink mirror costs nothing to build and never goes stale inside one kernel. The system's own
-``extra/`` is not mirrored (that name is kvcd's), nor ``build``/``source`` (headers).
-
-Switching versions is one ``rename(2)`` of a new ``extra/<instance>`` symlink over the old one;
-rolling back is switching back to the target :func:`activate` returned. Run :func:`depmod`
-after either. Links are absolute paths (under the HostRoot prefix when there is one).
-
-Beside the tree: ``<module_root>/depmod.d/00-kvcd.conf`` (search order: instance modules win
-over same-named system ones, see :func:`_depmod_config`) and ``/var/lib/kvcd/modules/.kvcd.lock``
-(:func:`tree_lock`, held by everything that writes the tree, so all kvcd instances of a host
-take turns).
-
-With kvcd.toml ``module_tree = "system"`` (``HostRoot.system_tree``) the module root is the
-system's own /lib/modules instead: nothing is mirrored, ``extra/<instance>`` is an installed copy
-rather than a link, depmod keeps the system's configuration, and RHEL's weak-modules is told of
-every install and removal (see "the system tree" below).
+Layout, locks and rules: docs/internals.md "The module root".
 """
 
 from __future__ import annotations
