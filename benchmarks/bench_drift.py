@@ -102,7 +102,7 @@ def bench_write_to_degraded(writes: int) -> None:
                     continue
                 v = mon.verdict(ctx, events)
                 if v is not None and v.verb == HOLD and v.state == "Degraded":
-                    inst.note(v.state, v.reason)
+                    inst.note(v.state, v.code, v.detail)
                     recorded = True
             lat.append(time.perf_counter() - t0)
             time.sleep(0.06)  # past the debounce window: each write is a fresh event

@@ -26,9 +26,10 @@ from kvcd.core.actions import Activate, Extract
 from kvcd.core.plan import Plan
 from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for
-from kvcd.host import kmod
+from kvcd.host import modtree
 from kvcd.host.paths import HostRoot
-from kvcd.host.podman import BuildSpec, Podman
+from kvcd.host.podman import Podman
+from kvcd.host.podtypes import BuildSpec
 from tests import fakehost
 from tests.integration.kmods import build_test_kmods
 
@@ -118,7 +119,7 @@ def main() -> None:
         kvcd_t: list[float] = []
         for _ in range(args.runs):
             shutil.rmtree(root.store("bench"), ignore_errors=True)
-            kmod.deactivate(root, k, "bench") if root.kernel_dir(k).is_dir() else None
+            modtree.deactivate(root, k, "bench") if root.kernel_dir(k).is_dir() else None
             t0 = time.perf_counter()
             Executor(root, cfg, d, lambda: Podman(url)).apply(plan)
             kvcd_t.append(time.perf_counter() - t0)

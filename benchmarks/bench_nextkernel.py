@@ -3,7 +3,7 @@
 1. Detection (`kvcd.host.bootloader.next_boot`, run on every relevant inotify event): a tmp
    root with a RHEL-like /boot (N BLS entries + grubenv saved_entry), and a Debian-like one
    (/vmlinuz link only). No peer here (grubby is not installed on this machine).
-2. Preparing a kABI-compatible next kernel with weak-updates (`nextkernel.prepare`: kABI check of
+2. Preparing a kABI-compatible next kernel with weak-updates (`ahead.prepare`: kABI check of
    the instance's modules against B's symvers.gz, hard links into the store, the weak-updates
    link, depmod B) against the build it replaces: compiling the same modules for B
    (scripts/build-test-kmods.sh: `make -C /usr/src/linux-headers-<k> M=…`, what a driver
@@ -20,14 +20,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT, summary, timed_calls
 from kvcd.config.model import InstanceConfig, ModuleSpec, Settings
-from kvcd.daemon import nextkernel
-from kvcd.daemon.observe import MANIFEST, store_dir
-from kvcd.host import bootloader, files
+from kvcd.daemon import ahead, store
+from kvcd.host import bootloader
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import run
@@ -55,7 +55,7 @@ def detection(tmp: Path, runs: int) -> None:
         root = HostRoot(tmp / f"rhel{n}")
         rhel_boot(root, n)
         assert bootloader.next_boot(root, use_grubby=False).source == "grubenv"
-        times = timed_calls(lambda r=root: bootloader.next_boot(r, use_grubby=False), runs)
+        times = timed_calls(partial(bootloader.next_boot, root, use_grubby=False), runs)
         print(f"detect, {n:2d} BLS entries + grubenv: {summary(times)}")
     root = HostRoot(tmp / "debian")
     root("/boot").mkdir(parents=True)
@@ -72,13 +72,13 @@ def weak_root(tmp: Path, built: Any, i: int) -> HostRoot:
     for name in ("modules.builtin", "modules.builtin.modinfo", "modules.order"):
         (system / name).write_text("")
     (system / "symvers.gz").write_bytes(gzip.compress(built.kernel_symvers.read_bytes()))
-    d = store_dir(root, "demo", "1.0", built.kernel)
+    d = store.tree(root, "demo", "1.0", built.kernel)
     d.mkdir(parents=True)
     entries = {}
     for ko in (built.base, built.user):
         shutil.copy(ko, d / ko.name)
-        entries[ko.stem] = {"file": ko.name}
-    files.write_json(d / MANIFEST, {"version": "1.0", "kernel": built.kernel, "modules": entries})
+        entries[ko.stem] = store.StoredModule(ko.name)
+    store.write_manifest(d, store.Manifest("1.0", built.kernel, modules=entries))
     return root
 
 
@@ -100,7 +100,7 @@ def preparation(tmp: Path, runs: int) -> None:
         root = weak_root(tmp, built, i)
         nb = NextBoot(B, "grubenv", "bench", root.system_modules(B))
         t0 = time.perf_counter()
-        out = nextkernel.prepare(root, Settings(), cfg, built.kernel, nb, no_podman)
+        out = ahead.prepare(root, Settings(), cfg, built.kernel, nb, no_podman)
         weak.append(time.perf_counter() - t0)
         assert out.state == "ready" and out.reason.startswith("weak-updates"), out
     builds = []
