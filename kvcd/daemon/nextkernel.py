@@ -300,7 +300,10 @@ class NextKernel(Extension):
             log.exception("store clean-up failed", extra={**ctx.fields, "KVCD_INSTANCE": ctx.name})
 
     def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
-        """Put the outcome into the record the service holds and into the state file."""
-        _set_fields(record, outcome)
+        """Put the outcome into the record the service holds and into the state file. That
+        record was read from the file in this cycle: when it says so already, so does the file
+        (no lock, no read: after() runs on every cycle)."""
+        if not _set_fields(record, outcome):
+            return
         with writing(ctx.root, ctx.name) as w:
             w.update(lambda current: _set_fields(current, outcome), create=False)

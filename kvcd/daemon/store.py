@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -155,15 +156,14 @@ def stored_versions(root: HostRoot, instance: str, kernel: str) -> dict[str, Man
     return out
 
 
-def newest_manifests(root: HostRoot, instance: str) -> list[tuple[Path, Manifest]]:
-    """Every tree of the instance with its manifest, the most recently written first."""
+def newest_manifests(root: HostRoot, instance: str) -> Iterator[tuple[Path, Manifest]]:
+    """Every tree of the instance with its manifest, the most recently written first (read
+    one at a time: a caller that wants the newest reads one)."""
     base = root.store(instance)
     found = sorted(
         (path.stat().st_mtime_ns, path) for path in base.glob(f"*/*/{MANIFEST}") if path.is_file()
     )
-    out = []
     for _, path in reversed(found):
         manifest = read_manifest(path.parent)
         if manifest is not None:
-            out.append((path.parent, manifest))
-    return out
+            yield path.parent, manifest
