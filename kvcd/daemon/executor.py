@@ -97,7 +97,12 @@ class Executor:
             self.on_step(action.describe())
             log.info("step: %s", action.describe(), extra=self.fields)
             try:
-                self._apply(action, attempt)
+                try:
+                    self._apply(action, attempt)
+                except files.Refused:
+                    raise  # someone's file where kvcd's belongs: not the host's refusal
+                except OSError as exc:  # a full /var, a read-only /run: undone, retried later
+                    raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
                 failpoint.hit(f"after:{type(action).__name__}")
             except StepFailed as exc:
                 undone = self._rollback(attempt)
@@ -151,7 +156,11 @@ class Executor:
                     return
                 except PodmanError as exc:
                     if not a.context:
-                        raise StepFailed(state.PULL_FAILED, f"{a.pull_ref}: {exc}") from exc
+                        # Retried on the back-off timer, as the kubelet's ImagePullBackOff: a
+                        # registry down or a tag not pushed yet is usually fixed elsewhere.
+                        raise StepFailed(
+                            state.PULL_FAILED, f"{a.pull_ref}: {exc}", transient=True
+                        ) from exc
                     log.warning(
                         "pull of %s failed (%s); building instead",
                         a.pull_ref,
@@ -246,18 +255,17 @@ class Executor:
         dest = store.tree(self.root, self.cfg.name, a.version, a.kernel)
         if dest.exists():  # an earlier extraction that never got its manifest
             shutil.rmtree(dest)
-        try:
-            found = self.podman.extract(a.tag, a.path_in_image, dest)
-        except PodmanUnavailable as exc:
-            raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
-        except PodmanError as exc:
-            raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
-        try:
-            manifest = self._manifest(dest, found, a)
-        except StepFailed:
+        try:  # a tree without its manifest is never used; what a failure left is removed
+            try:
+                found = self.podman.extract(a.tag, a.path_in_image, dest)
+            except PodmanUnavailable as exc:
+                raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
+            except PodmanError as exc:
+                raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
+            store.write_manifest(dest, self._manifest(dest, found, a))
+        except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
-        store.write_manifest(dest, manifest)
 
     def _manifest(self, dest: Path, found: list[Path], a: act.Extract) -> store.Manifest:
         by_name: dict[str, Path] = {}

@@ -6,6 +6,7 @@ Kept apart from the instance machinery so `kvcd status` imports only this (it mu
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -113,7 +114,12 @@ class Record:
     @classmethod
     def load(cls, root: HostRoot, name: str) -> Record | None:
         """The record as it is on disk (None: none yet); files.Damaged / files.Refused when it
-        cannot be used. For readers that change nothing (`kvcd status`)."""
+        cannot be used. For readers that change nothing (`kvcd status`). While the state
+        directory cannot be written, the daemon's copy in the runtime directory is newer and
+        is the one read (`unsaved`)."""
+        kept = unsaved(root, name)
+        if kept is not None:
+            return kept[0]
         path = root.state_file(name)
         raw = files.read_bytes(path)
         return None if raw is None else cls.parse(path, raw)
@@ -149,7 +155,35 @@ class Record:
         return {**asdict(self), "reason": self.reason}
 
     def write(self, root: HostRoot) -> None:
-        files.write_json(root.state_file(self.instance), self.to_json())
+        """Write the record to the state directory. When the host refuses (a full or read-only
+        /var), keep it in the runtime directory with the cause, so `kvcd status` and the next
+        write start from what the daemon knows, and raise: the caller says HostError. The
+        first write that succeeds again removes the runtime copy."""
+        kept = root.unsaved_record(self.instance)
+        try:
+            files.write_json(root.state_file(self.instance), self.to_json())
+        except files.Refused:
+            raise  # someone's file where kvcd's belongs: not the host's refusal
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a read-only /run as well: nowhere to keep it
+                files.write_json(kept, {"cause": files.os_error(exc), "record": self.to_json()})
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            kept.unlink()
+
+
+def unsaved(root: HostRoot, name: str) -> tuple[Record, str] | None:
+    """The record the daemon keeps in the runtime directory while the state directory cannot
+    be written, and why it cannot (None: there is none, or it is not usable)."""
+    path = root.unsaved_record(name)
+    try:
+        data = files.read_json(path)
+        if not isinstance(data, dict) or not isinstance(data.get("cause"), str):
+            return None
+        raw = json.dumps(data.get("record")).encode()
+        return Record.parse(path, raw), data["cause"]
+    except (OSError, ValueError):  # a damaged copy: the file in the state directory stands
+        return None
 
 
 def _from_reason(line: str) -> dict[str, str]:

@@ -18,12 +18,14 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
 from kvcd.core.state import DEGRADED, DONE
 from kvcd.daemon.events import Context, Event, Extension, Verdict
+from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.node.backend import (
     Backend,
@@ -135,9 +137,11 @@ class Reporter(Extension):
         self._published: tuple[str, str] | None = None
         self._timer: threading.Timer | None = None
         self._attempt = 0
+        self._since: float | None = None  # when the node became unreachable (None: it is not)
 
     def start(self, ctx: Context) -> None:
         self._ctx = ctx
+        ctx.root.node_note(ctx.name).unlink(missing_ok=True)  # an earlier daemon's
         self.link.start(ctx)
 
     def stop(self) -> None:
@@ -148,6 +152,23 @@ class Reporter(Extension):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _unreachable(self, ctx: Context, why: str | None) -> None:
+        """The runtime note `kvcd status` shows while the node cannot be written (the record
+        it could not publish stays the truth; the journal said so once)."""
+        path = ctx.root.node_note(ctx.name)
+        try:
+            if why is None:
+                if self._since is not None:
+                    self._since = None
+                    path.unlink(missing_ok=True)
+                    log.info("node reachable again; state published", extra=ctx.fields)
+                return
+            if self._since is None:
+                self._since = time.time()
+            files.write_json(path, {"since": self._since, "failing": why})
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, files.os_error(exc), extra=ctx.fields)
 
     def _retry_later(self, ctx: Context) -> None:
         if self._timer is not None and self._timer.is_alive():
@@ -166,10 +187,12 @@ class Reporter(Extension):
         patch = node_patch(keys, record)
         patch.update(self.link.extra)
         if not writer.write(patch):
+            self._unreachable(ctx, writer.failing or "unavailable")
             self._retry_later(ctx)
             return None
         self._attempt = 0
         self._cancel()
+        self._unreachable(ctx, None)
         now = (record.state, record.reason)
         if now != self._published and self.link.backend is not None:
             try:

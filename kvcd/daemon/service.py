@@ -320,7 +320,18 @@ class Service:
             except files.Refused:
                 raise  # not the host's refusal: someone's file where kvcd's belongs
             except OSError as exc:  # a full /var, a read-only /run: wait and retry
-                raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
+                failure = StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True)
+                # Said where it can be: the record (kept in /run when /var refuses it too).
+                with contextlib.suppress(OSError):
+                    record_failure(
+                        self.root,
+                        self.name,
+                        self.kernel,
+                        failure.code,
+                        failure.detail,
+                        os.getpid(),
+                    )
+                raise failure from exc
         except StepFailed as exc:
             if exc.code == state.MODULE_OWNED:  # a config conflict: exit 2, no restarts
                 self.config_invalid = True

@@ -14,7 +14,7 @@ from kvcd.config.loader import list_instances, load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import attempts, state
 from kvcd.daemon.control import daemon_pid
-from kvcd.daemon.record import Record, boot_id, recorded_names
+from kvcd.daemon.record import Record, boot_id, recorded_names, unsaved
 from kvcd.host import files, kmod, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.rpmostree import is_ostree_host
@@ -174,18 +174,39 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         if rec and rec.goal == "unloaded" and loaded:
             problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
         entry["warnings"] = problems
-        # The links the instance provides (expect_links; kvcd/daemon/links.py).
-        links = _runtime_note(root.links_note(name), problems)
-        if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
-            entry["links"] = links
-        # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
-        monitor = _runtime_note(root.drift_note(name), problems)
-        if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
-            entry["drift"] = monitor
+        _runtime_notes(root, name, entry, problems)
         running = daemon_pid(root, name) is not None
         entry["capabilities"] = capabilities(root, name, settings, running)
         out.append(entry)
     return out
+
+
+def _runtime_notes(root: HostRoot, name: str, entry: dict[str, Any], problems: list[str]) -> None:
+    """What the instance's daemon says beside its record: a record it could not save, the
+    node it cannot reach, the links it provides, its drift monitor."""
+    kept = unsaved(root, name)
+    if kept is not None:
+        problems.append(
+            f"state not saved: {kept[1]}; kept in {root.unsaved_record(name)} until it can be"
+        )
+    node = _runtime_note(root.node_note(name), problems)
+    if isinstance(node, dict) and isinstance(node.get("failing"), str):
+        since = node.get("since")
+        when = (
+            time.strftime(" since %H:%M:%S", time.localtime(since))
+            if isinstance(since, (int, float))
+            else ""
+        )
+        problems.append(f"node not updated{when}: {node['failing']}; retrying")
+        entry["node_unreachable"] = node
+    # The links the instance provides (expect_links; kvcd/daemon/links.py).
+    links = _runtime_note(root.links_note(name), problems)
+    if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
+        entry["links"] = links
+    # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
+    monitor = _runtime_note(root.drift_note(name), problems)
+    if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
+        entry["drift"] = monitor
 
 
 def _unreadable(name: str, exc: OSError) -> dict[str, Any]:

@@ -121,6 +121,15 @@ class HostRoot:
         """The links an instance provides, as its daemon last saw them."""
         return self.runtime / f"{instance}.links.json"
 
+    def node_note(self, instance: str) -> Path:
+        """Present while the daemon cannot reach the node backend: since when, and why."""
+        return self.runtime / f"{instance}.node.json"
+
+    def unsaved_record(self, instance: str) -> Path:
+        """The instance record while its file in the state directory cannot be written (a
+        full or read-only /var): what the daemon knows, for `kvcd status`, until it can."""
+        return self.runtime / f"{instance}.unsaved.json"
+
     def reload_lock(self, instance: str) -> Path:
         """Held by `kvcd reload` while it numbers its request."""
         return self.runtime / f"{instance}.reload-lock"

@@ -6,6 +6,7 @@ fake /sys/module under the HostRoot, so every step's effect is observable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -321,6 +322,19 @@ def test_pull_failure_falls_back_to_build(host: HostRoot) -> None:
     instance(host, pod, image="quay.example/drv:{version}-{kernel}").apply("load")
     assert [what for what, _ in pod.calls][:2] == ["pull", "build"]
     assert pod.calls[0][1] == f"quay.example/drv:1.0-{K}"
+
+
+def test_a_pull_with_no_build_to_fall_back_on_is_retried_later(host: HostRoot) -> None:
+    """A registry down or a tag not pushed yet: transient (the back-off timer retries it), as
+    the kubelet's ImagePullBackOff; nothing is activated or loaded."""
+    pod = FakePodman(host, K)
+    cfg = dataclasses.replace(config(host, image="quay.example/drv:{version}"), build=None)
+    with pytest.raises(StepFailed) as err:
+        Instance(host, Settings(), cfg, K, podman=lambda: pod).apply("load")
+    assert err.value.transient and err.value.code == state.PULL_FAILED
+    assert err.value.detail == "quay.example/drv:1.0: quay.example/drv:1.0: not found"
+    assert [what for what, _ in pod.calls] == ["pull"]
+    assert not (host.sys_module / "kvcd_base").exists()
 
 
 def test_image_without_the_configured_module_is_refused(host: HostRoot) -> None:

@@ -154,6 +154,8 @@ def instance_files(root: HostRoot, name: str) -> set[Path]:
         root.reload_answer(name),
         root.drift_note(name),
         root.links_note(name),
+        root.unsaved_record(name),
+        root.node_note(name),
     }
 
 
@@ -171,7 +173,7 @@ def node_files(root: HostRoot) -> set[Path]:
 
 # Names made of kvcd's own suffixes and node-wide names: where a collision would come from.
 PARTS = ["a", "modules", "depmod", "node", "reload", "reloaded", "lock", "drift", "links", "json"]
-PARTS += ["pid", "force", "-", ".", K]
+PARTS += ["pid", "force", "unsaved", "-", ".", K]
 
 
 @pytest.mark.parametrize(
@@ -181,6 +183,8 @@ PARTS += ["pid", "force", "-", ".", K]
         ("a", "a.drift"),
         ("a", "a.links"),
         ("a", "a.reloaded"),
+        ("a", "a.unsaved"),
+        ("a", "a.node"),
         ("modules", "x"),  # /run/kvcd/modules.lock was the node-wide owners lock
         (f"depmod-{K}", "x"),  # drift/depmod-<kernel>.json was the node-wide depmod record
         ("node", "x"),

@@ -628,8 +628,55 @@ def test_a_full_disk_is_retried_with_backoff_not_a_crash(
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-    assert rec is not None and rec.state == state.DONE and tries == 3
+    # The first try's two writes fail (Working, then the Degraded record of the failure).
+    assert rec is not None and rec.state == state.DONE and tries == 2
     assert rec.attempt.outcome == "ok" and svc.retry_at is None
+
+
+def test_a_full_state_directory_keeps_the_truth_in_run_until_it_has_room(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/var full (every write of the state file refused): the daemon stays up, `kvcd status`
+    says Degraded: HostError naming the file, from the copy kept in /run, with a warning that
+    it is not saved; once there is room the record is written again and the copy removed."""
+    import errno
+
+    from kvcd.daemon import status
+    from kvcd.host import files
+
+    use(monkeypatch)
+    real = files.write_json
+    full = {"on": True}
+
+    def write_json(path: Path, obj: Any, mode: int = 0o644) -> None:
+        if full["on"] and path.is_relative_to(host.state):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, obj, mode)
+
+    monkeypatch.setattr(files, "write_json", write_json)
+    n = fakehost.RecordingNotifier()
+    svc = Service(host, "e2e", K, n, backoff=Backoff(first=30.0, cap=30.0))
+    try:
+        assert svc.reconcile([Event("start", kind=RETRY)]) is None
+        assert not host.state_file("e2e").exists()
+        [entry] = status.collect(host, "e2e")
+        assert entry["state"] == state.DEGRADED and entry["code"] == state.HOST_ERROR
+        assert entry["detail"] == f"{host.state_file('e2e')}: No space left on device"
+        assert entry["warnings"] == [
+            f"state not saved: {host.state_file('e2e')}: No space left on device; kept in "
+            f"{host.unsaved_record('e2e')} until it can be"
+        ]
+        full["on"] = False
+        svc.ledger = dataclasses.replace(svc.ledger, not_before=0.0)  # the back-off has ended
+        rec = svc.reconcile([Event("backoff", "retry")])
+    finally:
+        svc.stop_extensions()
+        signal.set_wakeup_fd(-1)
+    assert rec is not None and rec.state == state.DONE
+    assert not host.unsaved_record("e2e").exists()
+    [entry] = status.collect(host, "e2e")
+    assert entry["state"] == state.DONE and entry["warnings"] == []
+    assert Record.load(host, "e2e") == rec
 
 
 def test_events_during_a_backoff_neither_retry_early_nor_lose_the_timer(

@@ -159,6 +159,47 @@ def test_after_queues_ready_for_the_reporter(host: HostRoot) -> None:
     assert link.extra == {"kvcd.io/e2e.ready": None}
 
 
+def test_an_unreachable_node_is_shown_in_status_until_it_is_written_again(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node cannot be written (here: the file backend's update refused): the record stays
+    what it is, `kvcd status` warns since when and why, and the first write that lands again
+    clears the warning."""
+    from kvcd.daemon import status
+    from kvcd.node.backend import Unavailable
+
+    down = {"on": True}
+    real = FileBackend.update
+
+    def update(self: FileBackend, change: Any) -> Any:
+        if down["on"]:
+            raise Unavailable("cannot write /var/lib/kvcd/node.json: Read-only file system")
+        return real(self, change)
+
+    monkeypatch.setattr(FileBackend, "update", update)
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = Reporter(link)
+    ctx = ctx_for(host)
+    ext.start(ctx)
+    record = Record("e2e", "Done", version="1.0", goal="loaded", kernel=K)
+    record.write(host)
+    try:
+        ext.after(ctx, record)
+        [entry] = status.collect(host, "e2e")
+        [warning] = entry["warnings"]
+        assert warning.startswith("node not updated since ")
+        assert warning.endswith(
+            ": cannot write /var/lib/kvcd/node.json: Read-only file system; retrying"
+        )
+        down["on"] = False
+        ext.after(ctx, record)
+        [entry] = status.collect(host, "e2e")
+        assert entry["warnings"] == [] and "node_unreachable" not in entry
+        assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.state"] == "Done"
+    finally:
+        ext.stop()
+
+
 def node_extensions(cfg: Any, settings: Any) -> list[Any]:
     """Only this issue's extensions (the others need udev, netlink ...), in build() order."""
     link = NodeLink(settings)
