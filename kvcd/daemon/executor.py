@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon import store
-from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree
+from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
@@ -382,9 +383,13 @@ class Executor:
 
     def _hook(self, function: str) -> None:
         assert self.cfg.kvc_lib is not None
-        env = hooks.hook_env(self.cfg.name, self.d.kernel, self.cfg.kvc_vars())
+        variables = hooks.hook_vars(self.cfg.name, self.d.kernel, self.cfg.kvc_vars())
+        # Run as kvcd@NAME.service (sandboxed, see the unit): the hook gets a unit of its own.
+        unit = None
+        if procs.own_unit() == f"kvcd@{self.cfg.name}.service":
+            unit = f"kvcd-hook-{self.cfg.name}-{function}-{os.getpid()}.service"
         try:
-            done = hooks.call(self.cfg.kvc_lib, function, env)
+            done = hooks.call(self.cfg.kvc_lib, function, variables, unit=unit)
         except CommandError as exc:
             raise StepFailed(state.HOOK_FAILED, f"{function} in {self.cfg.kvc_lib}: {exc}") from exc
         for line in (done.stdout + done.stderr).splitlines():

@@ -20,26 +20,68 @@ def _runner() -> str:
     return str(resources.files("kvcd.host").joinpath("kvc-hook.sh"))
 
 
+def hook_vars(
+    instance: str, kernel: str, conf_vars: Sequence[tuple[str, str]], runtime: str = "podman"
+) -> dict[str, str]:
+    """What a library reads: the instance .conf's variables, then KVC's own."""
+    return {
+        **dict(conf_vars),
+        "KVC_SOFTWARE_NAME": instance,
+        "KVC_KVER": kernel,
+        "KVC_CONTAINER_RUNTIME": runtime,
+    }
+
+
 def hook_env(
     instance: str, kernel: str, conf_vars: Sequence[tuple[str, str]], runtime: str = "podman"
 ) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(dict(conf_vars))
-    env.update(
-        KVC_SOFTWARE_NAME=instance,
-        KVC_KVER=kernel,
-        KVC_CONTAINER_RUNTIME=runtime,
-    )
-    return env
+    return {**os.environ, **hook_vars(instance, kernel, conf_vars, runtime)}
 
 
 def call(
-    library: Path, function: str, env: Mapping[str, str], timeout: float | None = None
+    library: Path,
+    function: str,
+    variables: Mapping[str, str],
+    timeout: float | None = None,
+    unit: str | None = None,
 ) -> Completed:
-    """Run one of the library's build/load/unload functions; CommandError on failure."""
+    """Run one of the library's build/load/unload functions with `variables` (hook_vars) added
+    to the environment; CommandError on failure.
+
+    With `unit`, the function runs in a transient systemd service of that name (systemd-run),
+    not in kvcd's own: the kvcd@ unit's sandbox (no namespaces, a system call filter, a narrow
+    capability set) is too tight for the `podman run --privileged` and `podman build` that KVC
+    libraries do, and it is kvcd that should be sandboxed, not an admin's driver tooling. The
+    function's output comes back on kvcd's pipes; its exit status is the unit's."""
     if function not in FUNCTIONS[:3]:
         raise ValueError(f"not a KVC library function: {function}")
-    return run(["bash", _runner(), str(library), function], env=env, timeout=timeout)
+    argv = ["bash", _runner(), str(library), function]
+    if unit is None:
+        return run(argv, env={**os.environ, **variables}, timeout=timeout)
+    return run(transient(unit, argv, variables, timeout), timeout=timeout)
+
+
+def transient(
+    unit: str, argv: Sequence[str], variables: Mapping[str, str], timeout: float | None
+) -> list[str]:
+    """The systemd-run command line that runs argv in the transient service `unit`, with only
+    `variables` (and systemd's default environment) set, and waits for it."""
+    out = [
+        "systemd-run",
+        "--quiet",
+        "--wait",
+        "--pipe",
+        "--collect",
+        "--service-type=exec",
+        f"--unit={unit}",
+        f"--description=kvcd hook {argv[-1]} of {variables.get('KVC_SOFTWARE_NAME', '?')}",
+        # Stopped with what it started (the container of a `podman run` included).
+        "--property=KillMode=control-group",
+    ]
+    if timeout is not None:
+        out.append(f"--property=RuntimeMaxSec={max(1, int(timeout))}")
+    out += [f"--setenv={k}={v}" for k, v in sorted(variables.items())]
+    return [*out, *argv]
 
 
 def wrapper(library: Path, args: Sequence[str], env: Mapping[str, str]) -> int:

@@ -308,6 +308,16 @@ def _unit_of(cgroup: str) -> str | None:
     return units[-1] if units else None
 
 
+def own_unit(proc: Path = Path("/proc/self/cgroup")) -> str | None:
+    """The systemd service this process runs in (its unified cgroup), None outside one."""
+    try:
+        text = proc.read_text()
+    except OSError:
+        return None
+    unified = [ln.split(":", 2)[2] for ln in text.splitlines() if ln.startswith("0::")]
+    return _unit_of(unified[0]) if unified else None
+
+
 def why_not_daemon(root: HostRoot, name: str, rec: PidRecord, info: ProcInfo) -> str | None:
     """None when `info` is proven to be kvcd@NAME of `root`; else why not (a short clause)."""
     if rec.start is not None and info.start != rec.start:

@@ -12,6 +12,9 @@ instance running, Done and loaded.
 (y4) the watchdog: kvcd pings it (WatchdogTimestamp advances past WatchdogSec with the same
      process), and a daemon that stops answering (SIGSTOP) is killed by systemd and restarted,
      and the restarted daemon converges to Done with the modules it finds loaded
+(y5) the sandbox: `systemd-analyze security` of the running unit scores at most 5.0, and the
+     instance still loads under it (the unit as shipped; the KVC shim step runs its hooks in
+     their transient units)
 
 Contracts used: kvcd@.service (Type=notify, WatchdogSec=, ExecReload=kvcd reload %i),
 kvcd-generator's 50-kvcd-depends.conf, journald fields KVCD_INSTANCE / KVCD_STATE.
@@ -32,9 +35,11 @@ from kvcdguest import (
     INSTANCE,
     INSTANCE_FILE,
     MODS,
+    RESULTS,
     UNIT,
     kvcd_status,
     proc_modules,
+    record_timing,
     sh,
     state_is,
     wait_for,
@@ -182,4 +187,15 @@ def test_y4_watchdog_is_fed_and_a_hung_daemon_is_restarted() -> None:
     log = sh(["journalctl", "--no-pager", "-o", "cat", "--since", since, "-u", UNIT]).stdout
     assert "Watchdog timeout" in log or "watchdog" in log.lower(), log[-3000:]
     settle_done()
+    assert loaded()
+
+
+def test_y5_the_running_unit_is_sandboxed() -> None:
+    settle_done()
+    out = sh(["systemd-analyze", "security", "--no-pager", UNIT]).stdout
+    (RESULTS / "systemd-analyze-security.txt").write_text(out)
+    line = next(ln for ln in out.splitlines() if "Overall exposure level" in ln)
+    score = float(line.split(":")[1].split()[0])
+    record_timing("systemd_analyze_security", score)
+    assert score <= 5.0, line
     assert loaded()

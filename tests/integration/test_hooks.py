@@ -1,0 +1,111 @@
+"""KVC library hooks in a transient unit of their own (systemd-run), as kvcd@NAME runs them:
+what the library sees, what it does not, and how a failure comes back. systemd-run is a fake
+here that does what the real one does with these options (the guest runs the real one)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcd.host import hooks, procs
+from kvcd.host.run import CommandError
+
+pytestmark = pytest.mark.integration
+
+LIB = r"""
+load_kmods() {
+    echo "load $KVC_SOFTWARE_NAME $KVC_KVER arg1=$1 names=$KMOD_NAMES"
+    echo "daemon-only=${KVCD_DAEMON_ONLY:-unset} notify=${NOTIFY_SOCKET:-unset}"
+}
+unload_kmods() { echo "cannot unload" >&2; return 3; }
+"""
+
+# systemd-run --wait --pipe: the command runs with systemd's environment plus --setenv, its
+# output on our pipes, systemd-run's exit status its own. Options are logged for the test.
+FAKE_SYSTEMD_RUN = r"""#!/bin/bash
+set -eu
+vars=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --setenv=*) vars+=("${1#--setenv=}") ;;
+        --*) ;;
+        *) break ;;
+    esac
+    echo "$1" >> "$RUN_LOG"
+    shift
+done
+exec env -i PATH="$PATH" "${vars[@]}" "$@"
+"""
+
+
+@pytest.fixture
+def lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "systemd-run"
+    fake.write_text(FAKE_SYSTEMD_RUN)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("RUN_LOG", str(tmp_path / "run.log"))
+    monkeypatch.setenv("KVCD_DAEMON_ONLY", "secret")
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    path = tmp_path / "drv-lib.sh"
+    path.write_text(LIB)
+    return path
+
+
+def variables() -> dict[str, str]:
+    return hooks.hook_vars("drv", "6.1.0-56-amd64", (("KMOD_NAMES", "a b"),))
+
+
+def test_in_a_unit_the_library_sees_its_variables_and_nothing_of_the_daemon(
+    lib: Path, tmp_path: Path
+) -> None:
+    done = hooks.call(lib, "load_kmods", variables(), timeout=90, unit="kvcd-hook-drv-1.service")
+    assert done.stdout.splitlines() == [
+        "load drv 6.1.0-56-amd64 arg1=6.1.0-56-amd64 names=a b",
+        "daemon-only=unset notify=unset",
+    ]
+    opts = (tmp_path / "run.log").read_text().splitlines()
+    assert opts[:6] == [
+        "--quiet",
+        "--wait",
+        "--pipe",
+        "--collect",
+        "--service-type=exec",
+        "--unit=kvcd-hook-drv-1.service",
+    ]
+    assert "--property=RuntimeMaxSec=90" in opts
+    assert "--setenv=KVC_KVER=6.1.0-56-amd64" in opts
+
+
+def test_inline_the_library_gets_the_daemon_environment_too(lib: Path, tmp_path: Path) -> None:
+    done = hooks.call(lib, "load_kmods", variables())
+    assert "daemon-only=secret" in done.stdout
+    assert not (tmp_path / "run.log").exists()
+
+
+def test_a_failing_function_in_a_unit_is_a_command_error_with_its_output(lib: Path) -> None:
+    with pytest.raises(CommandError) as err:
+        hooks.call(lib, "unload_kmods", variables(), unit="kvcd-hook-drv-2.service")
+    assert err.value.rc == 3 and "cannot unload" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "unit"),
+    [
+        ("0::/system.slice/system-kvcd.slice/kvcd@drv.service\n", "kvcd@drv.service"),
+        ("12:pids:/x\n0::/user.slice/user-0.slice/session-3.scope\n", None),
+        ("0::/system.slice/a.service/sub\n", "a.service"),
+        ("", None),
+    ],
+)
+def test_own_unit_is_read_from_the_unified_cgroup(
+    tmp_path: Path, cgroup: str, unit: str | None
+) -> None:
+    path = tmp_path / "cgroup"
+    path.write_text(cgroup)
+    assert procs.own_unit(path) == unit
+    assert procs.own_unit(tmp_path / "absent") is None
