@@ -46,7 +46,8 @@ def _matches(d: Desired, o: Observed, name: str, st: ModState) -> bool:
     """Is the loaded module `name` the one the desired version provides?"""
     want = o.stored_srcversion.get(name)
     if want and st.srcversion:
-        return want == st.srcversion
+        version = o.stored_modversion.get(name)
+        return want == st.srcversion and (not version or not st.version or version == st.version)
     return o.active == d.version
 
 

@@ -26,6 +26,7 @@ class ModState:
     refcnt: int = 0
     holders: tuple[str, ...] = ()
     srcversion: str | None = None
+    version: str | None = None  # MODULE_VERSION, when the module has one
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,6 @@ class Observed:
     loaded: Mapping[str, ModState] = field(default_factory=dict)
     # srcversion of each module file of the desired version in the store, when known.
     stored_srcversion: Mapping[str, str] = field(default_factory=dict)
+    # Their MODULE_VERSION, when they have one (srcversion hashes the source files only: a
+    # build of the same source with another version define has the same srcversion).
+    stored_modversion: Mapping[str, str] = field(default_factory=dict)

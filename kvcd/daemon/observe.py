@@ -72,7 +72,7 @@ def observe(root: HostRoot, d: Desired) -> Observed:
     for m in d.modules:
         lm = kmod.read_module(root, m.kernel_name)
         if lm is not None:
-            loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion)
+            loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
     want = stored.get(d.version)
     return Observed(
         kernel=d.kernel,
@@ -81,4 +81,5 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         depmod_current=active is not None and _depmod_current(root, d.kernel, d.instance),
         loaded=loaded,
         stored_srcversion=want.srcversions() if want else {},
+        stored_modversion=want.modversions() if want else {},
     )

@@ -55,6 +55,9 @@ class Manifest:
     def srcversions(self) -> dict[str, str]:
         return {name: m.srcversion for name, m in self.modules.items() if m.srcversion}
 
+    def modversions(self) -> dict[str, str]:
+        return {name: m.version for name, m in self.modules.items() if m.version}
+
     def linked_for(self, kernel: str, running: str) -> Manifest:
         """This manifest for a tree of `kernel` made of hard links to this one's files."""
         return replace(self, kernel=kernel, weak_updates_from=running)

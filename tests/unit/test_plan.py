@@ -41,6 +41,7 @@ def obs(**kw: object) -> Observed:
 
 
 NEW = {"kvcd_base": "aaa", "kvcd_user": "bbb"}
+NEW_VERSIONS = {"kvcd_base": "2.0", "kvcd_user": "2.0"}  # MODULE_VERSION of the stored files
 LOADED_NEW = {"kvcd_base": ModState(1, ("kvcd_user",), "aaa"), "kvcd_user": ModState(0, (), "bbb")}
 LOADED_OLD = {
     "kvcd_base": ModState(1, ("kvcd_user",), "old1"),
@@ -130,6 +131,52 @@ LOAD_TABLE = [
             stored_srcversion=NEW,
         ),
         [Unload("kvcd_user"), Unload("kvcd_base"), LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "the same source built at another version is loaded (srcversion equal, version not):"
+        " a version bump that only changes a define is still a swap",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded={
+                "kvcd_base": ModState(1, ("kvcd_user",), "aaa", "1.0"),
+                "kvcd_user": ModState(0, (), "bbb", "1.0"),
+            },
+            stored_srcversion=NEW,
+            stored_modversion=NEW_VERSIONS,
+        ),
+        [Unload("kvcd_user"), Unload("kvcd_base"), LOAD_BASE, LOAD_USER, Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "srcversion and version both match: verify only",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded={
+                "kvcd_base": ModState(1, ("kvcd_user",), "aaa", "2.0"),
+                "kvcd_user": ModState(0, (), "bbb", "2.0"),
+            },
+            stored_srcversion=NEW,
+            stored_modversion=NEW_VERSIONS,
+        ),
+        [Verify(BOTH, True)],
+        None,
+    ),
+    (
+        "a module without MODULE_VERSION: srcversion alone decides",
+        obs(
+            stored=frozenset({"2.0"}),
+            active="2.0",
+            depmod_current=True,
+            loaded=LOADED_NEW,
+            stored_srcversion=NEW,
+            stored_modversion={},
+        ),
+        [Verify(BOTH, True)],
         None,
     ),
     (
