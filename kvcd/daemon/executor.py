@@ -103,7 +103,10 @@ class Executor:
                 except files.Refused:
                     raise  # someone's file where kvcd's belongs: not the host's refusal
                 except OSError as exc:  # a full /var, a read-only /run: undone, retried later
-                    raise StepFailed(state.HOST_ERROR, files.os_error(exc), transient=True) from exc
+                    detail = files.os_error(exc)
+                    if exc.filename is None:  # write(2) names no file: say which step wrote
+                        detail = f"{action.describe()}: {exc.strerror or exc}"
+                    raise StepFailed(state.HOST_ERROR, detail, transient=True) from exc
                 failpoint.hit(f"after:{type(action).__name__}")
             except StepFailed as exc:
                 undone = self._rollback(attempt)

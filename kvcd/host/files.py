@@ -254,9 +254,12 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         finally:
             os.close(fd)
         os.rename(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+            # write(2) and fsync(2) errors name no file: name the one kvcd was writing.
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     _sweep(directory, path.name)
     _fsync_dir(directory)

@@ -238,6 +238,8 @@ def test_a_failed_step_leaves_the_old_or_the_new_file_whole_and_no_temporary(
         files.write_json(path, NEW)
     monkeypatch.undo()
     assert info.value.errno == errno.ENOSPC
+    if reader_sees is OLD:  # the error names the file kvcd was writing (write(2) names none)
+        assert files.os_error(info.value) == f"{path}: No space left on device"
     assert files.read_json(path) == reader_sees
     assert sorted(p.name for p in path.parent.iterdir()) == ["e2e.json"]
 

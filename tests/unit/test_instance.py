@@ -337,6 +337,29 @@ def test_a_pull_with_no_build_to_fall_back_on_is_retried_later(host: HostRoot) -
     assert not (host.sys_module / "kvcd_base").exists()
 
 
+def test_a_full_disk_while_extracting_is_a_transient_host_error_that_leaves_nothing(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    pod = FakePodman(host, K)
+    real = pod.extract
+
+    def extract(ref: str, path: str, dest: Path, patterns: Any = ()) -> list[Path]:
+        real(ref, path, dest, patterns)  # half of it written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pod, "extract", extract)
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod).apply("load")
+    assert err.value.transient and err.value.code == state.HOST_ERROR
+    assert err.value.detail.endswith(": No space left on device")
+    assert err.value.detail.startswith("extract ")
+    assert not (host.store("e2e") / "1.0" / K).exists()  # the space is given back
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == state.DEGRADED and rec.code == state.HOST_ERROR
+
+
 def test_image_without_the_configured_module_is_refused(host: HostRoot) -> None:
     pod = FakePodman(host, K)
     cfg = config(host)
