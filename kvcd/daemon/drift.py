@@ -361,13 +361,26 @@ class DriftMonitor(Extension):
             return None
         active = modtree.active_store(ctx.root, ctx.kernel, ctx.name)
         manifest = store.read_manifest(active) if active is not None else None
-        stored = manifest.srcversions() if manifest else {}
-        expected = {m.kernel_name: stored.get(m.kernel_name) for m in self.cfg.modules}
+        stored = manifest.modules if manifest else {}
+        expected: dict[str, str | None] = {}
         loaded: dict[str, str | None] = {}
-        for name in expected:
-            lm = kmod.read_module(ctx.root, name)
+        for m in self.cfg.modules:
+            want = stored.get(m.kernel_name)
+            lm = kmod.read_module(ctx.root, m.kernel_name)
+            # A build is told by its srcversion, and by MODULE_VERSION where both sides have
+            # one (srcversion hashes only the source files, not a version define).
+            versions = want is not None and lm is not None and want.version and lm.version
+            expected[m.kernel_name] = (
+                None
+                if want is None or want.srcversion is None
+                else f"{want.srcversion} version {want.version}"
+                if versions
+                else want.srcversion
+            )
             if lm is not None:
-                loaded[name] = lm.srcversion
+                loaded[m.kernel_name] = (
+                    f"{lm.srcversion} version {lm.version}" if versions else lm.srcversion
+                )
         finding = core.judge_modules(expected, loaded, policy=self.cfg.on_external_unload)
         if finding.what == core.KEEP:
             self.module_reason = ""

@@ -250,6 +250,7 @@ def store(
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "mode": mode,
             "srcversion": f"SRC-{name}-{version}",
+            "version": version,
         }
     manifest = {"version": version, "kernel": kernel, "image": "test", "modules": entries}
     (d / ".kvcd-manifest.json").write_text(json.dumps(manifest))
@@ -1025,12 +1026,20 @@ def _replace(r: Rig) -> None:
     (r.root.sys_module / "kvcd_base" / "srcversion").write_text("FOREIGN\n")
 
 
+def _reversion(r: Rig) -> None:
+    """The same source built at another version (srcversion equal: a version define)."""
+    (r.root.sys_module / "kvcd_base" / "version").write_text("9.9\n")
+
+
 UDEV = "udev remove kvcd_user"
 MODULE_TABLE = [
     pytest.param("degrade", _rmmod, UDEV, state.MODULE_REMOVED, id="rmmod-degrades"),
     pytest.param("reload", _rmmod, UDEV, None, id="rmmod-reloads"),
     pytest.param("degrade", _replace, "udev add kvcd_base", state.MODULE_REPLACED, id="replaced"),
     pytest.param("reload", _replace, "udev add kvcd_base", None, id="replaced-reloads"),
+    pytest.param(
+        "degrade", _reversion, "udev add kvcd_base", state.MODULE_REPLACED, id="other-version"
+    ),
     pytest.param("degrade", lambda r: None, "udev add kvcd_user", None, id="nothing-changed"),
 ]
 
@@ -1045,8 +1054,9 @@ def test_module_changes_outside_kvcd(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     r = Rig(host, on_external_unload=policy)
-    for name in MODS:  # srcversions as the manifest recorded them
+    for name in MODS:  # srcversions and versions as the manifest recorded them
         (host.sys_module / name / "srcversion").write_text(f"SRC-{name}-1.0\n")
+        (host.sys_module / name / "version").write_text("1.0\n")
     assert r.verdict(Event(drift.SOURCE, "udev add kvcd_base")) is None
     mutate(r)
     caplog.set_level(logging.INFO)
