@@ -13,6 +13,12 @@ etcd's gofail or FreeBSD's fail points, they are off unless the environment name
                                          while the work that follows it (a depmod, a build, an
                                          extraction) is under way
 
+    KVCD_FAILPOINT_ACTION=reset          optional: instead of SIGKILL to the daemon, reset the
+                                         whole machine (sysrq "b": no sync, no unmount, a power
+                                         cut as far as the file systems know; the guest's
+                                         reboot_reset scenario; the unit must let kvcd write
+                                         /proc/sysrq-trigger, ProtectKernelTunables=no)
+
 Firing is SIGKILL to the daemon's own process: no handler, no clean-up, as a crash would be.
 """
 
@@ -58,9 +64,22 @@ def hit(point: str) -> None:
         delay = float(os.environ.get("KVCD_FAILPOINT_DELAY", "0"))
     except ValueError:
         delay = 0.0
-    log.warning("fail point %s: killing kvcd (pid %d) in %.2fs", point, os.getpid(), delay)
+    reset = os.environ.get("KVCD_FAILPOINT_ACTION") == "reset"
+    what = "resetting the machine" if reset else f"killing kvcd (pid {os.getpid()})"
+    log.warning("fail point %s: %s in %.2fs", point, what, delay)
+    fire = _reset if reset else _kill
     if delay <= 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+        fire()
+        return
+    timer = threading.Timer(delay, fire)
     timer.daemon = True
     timer.start()
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _reset() -> None:
+    with open("/proc/sysrq-trigger", "w") as trigger:  # returns only if the reset failed
+        trigger.write("b")

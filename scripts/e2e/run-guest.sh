@@ -15,7 +15,7 @@
 # 4. reads the results directory back with `debugfs -R rdump` (no mount) into OUT/results.
 # 5. when the guest asked for a reboot (results/reboot holds the kernel release to boot), boots
 #    the same overlay and payload again, with that kernel (its vmlinuz and initrd copied by the
-#    guest to results/boot/), up to KVCD_E2E_MAX_BOOTS boots (default 3): a reboot as a host
+#    guest to results/boot/), up to KVCD_E2E_MAX_BOOTS boots (default 8): a reboot as a host
 #    without a bootloader sees it. The guest's entry.sh continues where it stopped.
 #
 # OUT (default: <repo>/out/e2e/<mode>) then holds console.log, results/ (junit-guest.xml,
@@ -34,7 +34,7 @@ OUT=
 CMD=
 TIMEOUT=${KVCD_E2E_TIMEOUT:-5400}
 INSTALL=${KVCD_E2E_INSTALL:-rpm}
-MAX_BOOTS=${KVCD_E2E_MAX_BOOTS:-3}
+MAX_BOOTS=${KVCD_E2E_MAX_BOOTS:-8}
 MEM=${KVCD_E2E_MEM:-2048}
 SMP=${KVCD_E2E_SMP:-2}
 

@@ -169,6 +169,69 @@ def test_entry_steps_and_reboot(fake_guest: dict[str, Path]) -> None:
         run.check("test_core_ok", "scenarios_a")
 
 
+RESET_FILE = textwrap.dedent(
+    """
+    import os
+    from pathlib import Path
+
+    from kvcdguest import request_reset
+
+    STATE = Path(os.environ["KVCD_E2E_STATE_DIR"])
+
+    def test_phase():
+        phase = int((STATE / "phase").read_text()) if (STATE / "phase").exists() else 0
+        (STATE / "phase").write_text(str(phase + 1))
+        if phase == 0:
+            # The fake "reset": the trigger kills entry.sh where it waits, as the kernel would.
+            request_reset(
+                ["sh", "-c", "echo fired > $KVCD_E2E_STATE_DIR/fired; kill -9 $PPID"],
+                "1.0.0-e2e",
+            )
+    """
+)
+
+
+def test_a_hard_reset_runs_the_trigger_and_the_next_boot_goes_on(
+    fake_guest: dict[str, Path],
+) -> None:
+    guest = fake_guest["payload"] / "guest"
+    (guest / "reboot_x.py").unlink()
+    (guest / "reboot_reset.py").write_text(RESET_FILE)
+    res = fake_guest["payload"] / "results"
+    first = run_entry(fake_guest)
+    assert first.returncode != 0  # killed by its trigger, as a reset ends it
+    assert "hard reset expected after boot 1" in first.stdout, first.stdout
+    assert (fake_guest["state"] / "fired").read_text().strip() == "fired"
+    assert (res / "reboot").read_text().strip() == "1.0.0-e2e" and not (res / "done").exists()
+    assert junit_cases(res / "junit-reboot_reset-boot1.xml") == {"test_phase": "passed"}
+    assert not (fake_guest["state"] / "reset-trigger").exists()  # fired once, never again
+
+    second = run_entry(fake_guest)  # the host booted the guest again
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (res / "done").exists() and not (res / "reboot").exists()
+    assert junit_cases(res / "junit-reboot_reset-boot2.xml") == {"test_phase": "passed"}
+    assert "hard reset expected" not in second.stdout
+
+
+def test_a_reset_that_does_not_happen_fails_the_run(fake_guest: dict[str, Path]) -> None:
+    guest = fake_guest["payload"] / "guest"
+    (guest / "reboot_x.py").unlink()
+    (guest / "reboot_reset.py").write_text(RESET_FILE.replace("kill -9 $PPID", "true"))
+    res = fake_guest["payload"] / "results"
+    env_wait = os.environ.get("KVCD_E2E_RESET_WAIT")
+    os.environ["KVCD_E2E_RESET_WAIT"] = "0"
+    try:
+        done = run_entry(fake_guest)
+    finally:
+        if env_wait is None:
+            del os.environ["KVCD_E2E_RESET_WAIT"]
+        else:
+            os.environ["KVCD_E2E_RESET_WAIT"] = env_wait
+    assert "no hard reset within 0s" in done.stdout, done.stdout
+    assert (res / "done").exists() and not (res / "reboot").exists()
+    assert (res / "rc").read_text().strip() != "0"
+
+
 @pytest.mark.parametrize(
     ("boot", "ran"),
     [

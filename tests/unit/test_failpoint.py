@@ -207,3 +207,29 @@ def test_every_point_is_named_in_the_code() -> None:
             assert 'failpoint.hit(f"write:{path.name}")' in text
         else:
             assert f'failpoint.hit("{point}")' in text, point
+
+
+def test_the_reset_action_writes_b_to_the_sysrq_trigger_and_kills_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kills: list[tuple[int, int]]
+) -> None:
+    token = arm(monkeypatch, tmp_path, "depmod")
+    monkeypatch.setenv("KVCD_FAILPOINT_ACTION", "reset")
+    written: list[tuple[str, str]] = []
+
+    class Trigger:
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def __enter__(self) -> Trigger:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def write(self, text: str) -> None:
+            written.append((self.path, text))
+
+    monkeypatch.setattr(failpoint, "open", lambda path, mode: Trigger(path), raising=False)
+    failpoint.hit("depmod")
+    assert written == [("/proc/sysrq-trigger", "b")] and kills == []
+    assert not token.exists()

@@ -9,6 +9,8 @@
 #   core                    guest_smoke.py guest_scenarios.py guest_kvc_shim.py -> junit-guest.xml
 #   scenarios_<x>.py        each file alone, in name order                      -> junit-scenarios_<x>.xml
 #   reboot_<x>.py           each file alone, after those (they may reboot)      -> junit-reboot_<x>-boot<N>.xml
+# Hard resets: kvcdguest.request_reset(trigger) also leaves a command; after the step this script
+# syncs, runs it and waits for the machine to reset (the host boots it again, as after a reboot).
 # Reboots: a test calls kvcdguest.request_reboot(kernel) (writes /var/lib/kvcd-e2e/reboot-request)
 # and ends its session; after that step this script copies the kernel's vmlinuz + initrd to
 # results/boot/, writes results/reboot (the kernel release) and this boot's artifacts, and powers
@@ -87,6 +89,19 @@ reboot_if_requested() {
     artifacts "-boot$boot"
     echo "$k" >"$R/reboot"
     sync
+    if [ -f "$S/reset-trigger" ]; then
+        # A hard reset (kvcdguest.request_reset): the test armed a fail point that resets the
+        # machine; start what reaches it and wait. The reset is the reboot (no sync after this).
+        mv "$S/reset-trigger" "$S/reset-trigger.fired"
+        sync
+        echo "KVCD-E2E: hard reset expected after boot $boot: $(cat "$S/reset-trigger.fired")"
+        bash -c "$(cat "$S/reset-trigger.fired")"
+        sleep "${KVCD_E2E_RESET_WAIT:-600}"
+        echo "KVCD-E2E: no hard reset within ${KVCD_E2E_RESET_WAIT:-600}s"
+        rm -f "$R/reboot" "$S/reboot-request"
+        note_rc 1
+        return 1
+    fi
     exit 0
 }
 

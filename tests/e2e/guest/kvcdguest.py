@@ -184,6 +184,19 @@ def request_reboot(kernel: str | None = None) -> None:
     print(f"reboot requested into {kernel or os.uname().release} after boot {boot_number()}")
 
 
+def request_reset(trigger: Sequence[str], kernel: str | None = None) -> None:
+    """Ask entry.sh for a hard reset once this pytest session ends: it syncs, runs `trigger`
+    (which makes kvcd reach a fail point armed with KVCD_FAILPOINT_ACTION=reset) and waits for
+    the kernel to reset the guest; the host boots it again with the running kernel and the
+    interrupted step runs again. Without a reset within KVCD_E2E_RESET_WAIT seconds the run
+    fails."""
+    import shlex
+
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    (STATE_DIR / "reset-trigger").write_text(shlex.join(trigger) + "\n")
+    request_reboot(kernel)
+
+
 @contextmanager
 def core_instance_aside() -> Iterator[None]:
     """Take the core scenarios' instance (e2e-kmod) off the node while a scenario file configures

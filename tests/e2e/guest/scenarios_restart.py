@@ -15,18 +15,27 @@ converged:
 The table (point, trigger, what the crash left, seconds to converge) goes to
 results/crash-table.md; README.md's "Crash safety" section is copied from a CI run of it.
 
-Not covered here: a hard reset of the guest (power cut) at these points.
+A hard reset of the guest (a power cut) at four of these points: reboot_reset.py.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from crashkit import (
+    KVER1,
+    TOKEN,
+    VERSIONS,
+    arm,
+    both_live,
+    disarm,
+    problems_on_disk,
+    settled,
+    upgrade_from_scratch,
+)
 from kvcdguest import (
     BUILD_TIMEOUT,
     ENTRIES,
@@ -49,16 +58,7 @@ from kvcdguest import (
     wait_for,
 )
 
-TOKEN = Path("/run/kvcd-e2e-crash-token")
-DROPIN = Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf")
-# Versions the host compiled for the guest kernel (run-guest.sh): each start-time point
-# upgrades from one to the other, so the crash lands in a real upgrade and the version it
-# removes first (image, extracted tree) is never the one in use.
-VERSIONS = ("2.0", "3.0")
 CURRENT = {"version": VERSIONS[1]}
-STATE = Path("/var/lib/kvcd")
-RUNTIME = Path("/run/kvcd")
-KVER1 = (PAYLOAD / "kver").read_text().strip()
 KVER2 = (PAYLOAD / "kver2").read_text().strip() if (PAYLOAD / "kver2").exists() else ""
 TABLE: list[tuple[str, str, str, float]] = []
 
@@ -81,79 +81,8 @@ def prop(name: str) -> str:
     return sh(["systemctl", "show", "-P", name, UNIT]).stdout.strip()
 
 
-def active() -> bool:
-    return sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
-
-
-def arm(point: str, delay: float) -> None:
-    """The drop-in names the point; the token (created by the trigger) makes it fire once."""
-    TOKEN.unlink(missing_ok=True)
-    DROPIN.parent.mkdir(parents=True, exist_ok=True)
-    DROPIN.write_text(
-        "[Service]\n"
-        f'Environment="KVCD_FAILPOINT={point}" "KVCD_FAILPOINT_TOKEN={TOKEN}" '
-        f'"KVCD_FAILPOINT_DELAY={delay}"\n'
-        "RestartSec=1s\n"
-    )
-    sh(["systemctl", "daemon-reload"])
-    sh(["systemctl", "reset-failed", UNIT], check=False)
-
-
-def disarm() -> None:
-    TOKEN.unlink(missing_ok=True)
-    if DROPIN.exists():
-        DROPIN.unlink()
-        sh(["systemctl", "daemon-reload"])
-    sh(["systemctl", "reset-failed", UNIT], check=False)
-
-
 def version() -> str:
     return CURRENT["version"]
-
-
-def upgrade_from_scratch() -> None:
-    """Stopped, configured for the other version, whose image and extracted tree are gone: the
-    next start builds, extracts, runs depmod and loads, passing every start-time point."""
-    target = VERSIONS[0] if version() == VERSIONS[1] else VERSIONS[1]
-    sh(["systemctl", "stop", UNIT], timeout=600)
-    sh(["podman", "rmi", "--force", f"localhost/kvcd-{INSTANCE}-{target}:{KVER1}"], check=False)
-    for tree in (STATE / "store" / INSTANCE / target).glob("*"):
-        sh(["rm", "-rf", str(tree)])
-    set_instance(version=target, **{"build.containerfile": containerfile(target)})
-    CURRENT["version"] = target
-
-
-def both_live() -> bool:
-    mods = proc_modules()
-    return all(m in mods for m in MODS) and all(
-        Path(f"/sys/module/{m}/initstate").read_text().strip() == "live" for m in MODS
-    )
-
-
-def settled() -> dict[str, Any] | None:
-    st = kvcd_status()
-    if not st or not active():
-        return None
-    if st.get("state") == "Done" and st.get("goal") == "loaded" and both_live():
-        return st
-    return st if st.get("state") == "Degraded" else None
-
-
-def problems_on_disk() -> list[str]:
-    """What a crash must never leave behind, once kvcd converged."""
-    out = []
-    for base in (STATE, RUNTIME):
-        for path in base.rglob("*.json"):
-            if path.is_file() and ".damaged-" not in path.name:
-                try:
-                    json.loads(path.read_text())
-                except ValueError as exc:
-                    out.append(f"{path}: {exc}")
-        out += [f"stray temporary file {p}" for p in base.rglob("*.tmp")]
-    for tree in (STATE / "store").glob("*/*/*"):
-        if tree.is_dir() and not (tree / ".kvcd-manifest.json").is_file():
-            out.append(f"extracted tree without a manifest: {tree}")
-    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -238,7 +167,7 @@ def wait_fired(point: str) -> float:
 @pytest.mark.parametrize("point", [p for p, (t, _d) in POINTS.items() if t == "start"])
 def test_a_start_killed_at_the_point_converges(point: str) -> None:
     _trigger, delay = POINTS[point]
-    upgrade_from_scratch()
+    CURRENT["version"] = upgrade_from_scratch(version())
     arm(point, delay)
     TOKEN.touch()
     sh(["systemctl", "start", "--no-block", UNIT])

@@ -1,0 +1,106 @@
+"""Helpers of the crash scenarios (scenarios_restart.py: SIGKILL at each fail point;
+reboot_reset.py: a hard reset of the guest at some of them): arming a fail point, making a
+start pass every point, and what "converged" means.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvcdguest import (
+    INSTANCE,
+    MODS,
+    PAYLOAD,
+    UNIT,
+    containerfile,
+    kvcd_status,
+    proc_modules,
+    set_instance,
+    sh,
+)
+
+# In /run: gone after a reset, so a point armed before one never fires again after it.
+TOKEN = Path("/run/kvcd-e2e-crash-token")
+DROPIN = Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf")
+STATE = Path("/var/lib/kvcd")
+RUNTIME = Path("/run/kvcd")
+# Versions the host compiled for the guest kernel (run-guest.sh): each start-time point
+# upgrades from one to the other, so the crash lands in a real upgrade and the version it
+# removes first (image, extracted tree) is never the one in use.
+VERSIONS = ("2.0", "3.0")
+KVER1 = (PAYLOAD / "kver").read_text().strip()
+
+
+def active() -> bool:
+    return sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+
+
+def arm(point: str, delay: float, action: str = "kill") -> None:
+    """The drop-in names the point; the token (created by the trigger) makes it fire once.
+    action "reset": the machine resets there (kvcd must be let write /proc/sysrq-trigger)."""
+    TOKEN.unlink(missing_ok=True)
+    DROPIN.parent.mkdir(parents=True, exist_ok=True)
+    DROPIN.write_text(
+        "[Service]\n"
+        f'Environment="KVCD_FAILPOINT={point}" "KVCD_FAILPOINT_TOKEN={TOKEN}" '
+        f'"KVCD_FAILPOINT_DELAY={delay}" "KVCD_FAILPOINT_ACTION={action}"\n'
+        "RestartSec=1s\n" + ("ProtectKernelTunables=no\n" if action == "reset" else "")
+    )
+    sh(["systemctl", "daemon-reload"])
+    sh(["systemctl", "reset-failed", UNIT], check=False)
+
+
+def disarm() -> None:
+    TOKEN.unlink(missing_ok=True)
+    if DROPIN.exists():
+        DROPIN.unlink()
+        sh(["systemctl", "daemon-reload"])
+    sh(["systemctl", "reset-failed", UNIT], check=False)
+
+
+def upgrade_from_scratch(current: str) -> str:
+    """Stopped, configured for the other version, whose image and extracted tree are gone: the
+    next start builds, extracts, runs depmod and loads, passing every start-time point.
+    Returns the version it is configured for now."""
+    target = VERSIONS[0] if current == VERSIONS[1] else VERSIONS[1]
+    sh(["systemctl", "stop", UNIT], timeout=600)
+    sh(["podman", "rmi", "--force", f"localhost/kvcd-{INSTANCE}-{target}:{KVER1}"], check=False)
+    for tree in (STATE / "store" / INSTANCE / target).glob("*"):
+        sh(["rm", "-rf", str(tree)])
+    set_instance(version=target, **{"build.containerfile": containerfile(target)})
+    return target
+
+
+def both_live() -> bool:
+    mods = proc_modules()
+    return all(m in mods for m in MODS) and all(
+        Path(f"/sys/module/{m}/initstate").read_text().strip() == "live" for m in MODS
+    )
+
+
+def settled() -> dict[str, Any] | None:
+    st = kvcd_status()
+    if not st or not active():
+        return None
+    if st.get("state") == "Done" and st.get("goal") == "loaded" and both_live():
+        return st
+    return st if st.get("state") == "Degraded" else None
+
+
+def problems_on_disk() -> list[str]:
+    """What a crash must never leave behind, once kvcd converged."""
+    out = []
+    for base in (STATE, RUNTIME):
+        for path in base.rglob("*.json"):
+            if path.is_file() and ".damaged-" not in path.name:
+                try:
+                    json.loads(path.read_text())
+                except ValueError as exc:
+                    out.append(f"{path}: {exc}")
+        out += [f"stray temporary file {p}" for p in base.rglob("*.tmp")]
+    for tree in (STATE / "store").glob("*/*/*"):
+        if tree.is_dir() and not (tree / ".kvcd-manifest.json").is_file():
+            out.append(f"extracted tree without a manifest: {tree}")
+    return out
