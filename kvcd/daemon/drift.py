@@ -369,18 +369,10 @@ class DriftMonitor(Extension):
             lm = kmod.read_module(ctx.root, m.kernel_name)
             # A build is told by its srcversion, and by MODULE_VERSION where both sides have
             # one (srcversion hashes only the source files, not a version define).
-            versions = want is not None and lm is not None and want.version and lm.version
-            expected[m.kernel_name] = (
-                None
-                if want is None or want.srcversion is None
-                else f"{want.srcversion} version {want.version}"
-                if versions
-                else want.srcversion
-            )
+            both = bool(want and want.version and lm and lm.version)
+            expected[m.kernel_name] = _build(want.srcversion, want.version, both) if want else None
             if lm is not None:
-                loaded[m.kernel_name] = (
-                    f"{lm.srcversion} version {lm.version}" if versions else lm.srcversion
-                )
+                loaded[m.kernel_name] = _build(lm.srcversion, lm.version, both)
         finding = core.judge_modules(expected, loaded, policy=self.cfg.on_external_unload)
         if finding.what == core.KEEP:
             self.module_reason = ""
@@ -486,3 +478,10 @@ class DriftMonitor(Extension):
 
 def build(cfg: InstanceConfig, settings: Settings) -> DriftMonitor:
     return DriftMonitor(cfg, settings)
+
+
+def _build(srcversion: str | None, version: str | None, with_version: bool) -> str | None:
+    """What tells one build of a module from another (None: unknown)."""
+    if srcversion is None:
+        return None
+    return f"{srcversion} version {version}" if with_version else srcversion
