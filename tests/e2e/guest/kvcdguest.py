@@ -158,6 +158,14 @@ def set_instance(path: Path = INSTANCE_FILE, **values: Any) -> None:
     print(f"{path}:\n{text}")
 
 
+def configured_version(path: Path = INSTANCE_FILE) -> str:
+    """The instance file's `version` (what kvcd should have loaded)."""
+    import tomllib
+
+    version: str = tomllib.loads(path.read_text())["version"]
+    return version
+
+
 def containerfile(version: str, kernel: str | None = None) -> str:
     """The prebuilt-modules Containerfile when run-guest.sh compiled `version` for `kernel`
     (default: the running one) on the host, else the one that compiles in the guest."""

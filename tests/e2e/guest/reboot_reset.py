@@ -36,6 +36,7 @@ from kvcdguest import (
     RESULTS,
     STATE_DIR,
     UNIT,
+    configured_version,
     module_version,
     record_timing,
     request_reset,
@@ -49,13 +50,6 @@ POINTS = [("extract", 0.0), ("depmod", 0.3), ("after:Load", 0.0), ("write:node.j
 PHASE = STATE_DIR / "reset-phase"
 ROWS = STATE_DIR / "reset-rows.json"
 ORIGINAL = STATE_DIR / "reset-original.toml"
-
-
-def configured_version() -> str:
-    import tomllib
-
-    version: str = tomllib.loads(INSTANCE_FILE.read_text())["version"]
-    return version
 
 
 def started_at() -> float:
