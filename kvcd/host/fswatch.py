@@ -89,9 +89,10 @@ class DirWatch:
         with self._lock:
             if self._observer is not None:
                 return
-            self._observer = self._new_observer()
-            self._handler = self._make_handler()
             try:
+                # watchdog 7 opens its inotify fd here: at max_user_instances this fails.
+                self._observer = self._new_observer()
+                self._handler = self._make_handler()
                 # Schedule first, then start: after start, watches are only moved from the
                 # observer's own thread (its lock is held while it calls us; taking it from
                 # here after ours would invert the lock order).

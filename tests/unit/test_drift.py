@@ -824,9 +824,24 @@ class LimitedObserver:
         return None
 
 
-@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EMFILE])
-def test_dirwatch_start_raises_watchlimit(tmp_path: Path, err: int) -> None:
-    w = DirWatch([tmp_path], lambda _p: None, observer_factory=lambda: LimitedObserver(err))
+def no_instance_left() -> LimitedObserver:
+    """watchdog 7's InotifyObserver opens its inotify fd in its constructor: at the instance
+    limit (max_user_instances) the observer cannot even be made."""
+    raise OSError(errno.EMFILE, "inotify instance limit reached")
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        pytest.param(lambda: LimitedObserver(errno.ENOSPC), id="watch-limit"),
+        pytest.param(lambda: LimitedObserver(errno.EMFILE), id="instance-limit-at-watch"),
+        pytest.param(no_instance_left, id="instance-limit-at-observer"),
+    ],
+)
+def test_dirwatch_start_raises_watchlimit(
+    tmp_path: Path, factory: Callable[[], LimitedObserver]
+) -> None:
+    w = DirWatch([tmp_path], lambda _p: None, observer_factory=factory)
     with pytest.raises(WatchLimit, match="inotify limit"):
         w.start()
     assert not w.running and w.limited
