@@ -257,8 +257,7 @@ def inspect(pid: int) -> ProcInfo | None:
         cgroup = Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
         cgroup = ""
-    unified = [ln.split(":", 2)[2] for ln in cgroup.splitlines() if ln.startswith("0::")]
-    return ProcInfo(pid, argv, start_time(pid), unified[0] if unified else "", env_root)
+    return ProcInfo(pid, argv, start_time(pid), _unified(cgroup), env_root)
 
 
 _PYTHON_FLAGS = frozenset({"-B", "-E", "-I", "-O", "-OO", "-P", "-q", "-s", "-S", "-u", "-b"})
@@ -308,14 +307,17 @@ def _unit_of(cgroup: str) -> str | None:
     return units[-1] if units else None
 
 
+def _unified(cgroup: str) -> str:
+    """The unified-hierarchy path in a /proc/<pid>/cgroup text ("" when there is none)."""
+    return next((ln.split(":", 2)[2] for ln in cgroup.splitlines() if ln.startswith("0::")), "")
+
+
 def own_unit(proc: Path = Path("/proc/self/cgroup")) -> str | None:
     """The systemd service this process runs in (its unified cgroup), None outside one."""
     try:
-        text = proc.read_text()
+        return _unit_of(_unified(proc.read_text()))
     except OSError:
         return None
-    unified = [ln.split(":", 2)[2] for ln in text.splitlines() if ln.startswith("0::")]
-    return _unit_of(unified[0]) if unified else None
 
 
 def why_not_daemon(root: HostRoot, name: str, rec: PidRecord, info: ProcInfo) -> str | None:

@@ -14,6 +14,7 @@ from kvcdguest import (
     MODS,
     PAYLOAD,
     UNIT,
+    active,
     containerfile,
     kvcd_status,
     proc_modules,
@@ -31,10 +32,6 @@ RUNTIME = Path("/run/kvcd")
 # removes first (image, extracted tree) is never the one in use.
 VERSIONS = ("2.0", "3.0")
 KVER1 = (PAYLOAD / "kver").read_text().strip()
-
-
-def active() -> bool:
-    return sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
 
 
 def arm(point: str, delay: float, action: str = "kill") -> None:

@@ -56,6 +56,10 @@ def sh(
     return p
 
 
+def active(unit: str = UNIT) -> bool:
+    return sh(["systemctl", "is-active", unit], check=False).stdout.strip() == "active"
+
+
 def proc_modules() -> dict[str, list[str]]:
     """Loaded modules -> the modules that use them (/proc/modules 'used by' column)."""
     out: dict[str, list[str]] = {}
@@ -214,7 +218,7 @@ def core_instance_aside() -> Iterator[None]:
     Put back, an instance that was running is started again and must reach Done: kvcd's own
     removal of its links is not drift."""
     aside = STATE_DIR / "aside" / INSTANCE_FILE.name
-    was_active = sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
+    was_active = active()
     sh(["systemctl", "stop", UNIT], check=False, timeout=600)
     for mod in reversed(MODS):
         if mod in proc_modules():

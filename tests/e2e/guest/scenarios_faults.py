@@ -46,6 +46,7 @@ from kvcdguest import (
     MODS,
     RESULTS,
     UNIT,
+    active,
     configured_version,
     containerfile,
     kvcd_status,
@@ -69,10 +70,6 @@ REGISTRY_CONF = Path("/etc/docker/registry/config.yml")
 KVER = os.uname().release
 OUTAGE = 120.0  # f5: how long the node stays unwritable
 TABLE: list[tuple[str, str, str, float]] = []
-
-
-def active() -> bool:
-    return sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
 
 
 def running() -> bool:

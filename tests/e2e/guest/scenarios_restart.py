@@ -77,10 +77,6 @@ POINTS: dict[str, tuple[str, float]] = {
 }
 
 
-def prop(name: str) -> str:
-    return sh(["systemctl", "show", "-P", name, UNIT]).stdout.strip()
-
-
 def version() -> str:
     return CURRENT["version"]
 
