@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import resource
 import statistics
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,3 +66,52 @@ def summary(times: list[float]) -> str:
 
 def self_rss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# --- one shape for every benchmark's result (`make bench` gathers them into one table) -------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure, its goal and, where a peer ran beside it, the ratio to the peer."""
+
+    name: str
+    """what was measured, e.g. "kvcd status, 20 instances (median wall)" """
+    value: float
+    unit: str
+    """"ms", "s", "MiB", "threads", "x" …"""
+    goal: str
+    """the goal in words, e.g. "<= 2x python -c pass"; "" when the figure is informative"""
+    met: bool | None = None
+    """whether the goal is met; None when the figure has no goal"""
+    peer: str = ""
+    """what the figure is compared with, e.g. "python -c pass" """
+    ratio: float | None = None
+    """value / the peer's value, when a peer ran"""
+
+
+def add_json_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the figures as JSON to FILE ('-': stdout, and no text)",
+    )
+
+
+def report(bench: str, figures: Sequence[Figure], json_to: str | None, raw: object = None) -> None:
+    """Print the figures (unless JSON goes to stdout) and write them as JSON when asked.
+
+    The JSON is {"bench": name, "figures": [Figure…], "raw": anything the benchmark keeps}.
+    """
+    doc = {"bench": bench, "figures": [asdict(f) for f in figures], "raw": raw}
+    if json_to == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+        return
+    for f in figures:
+        verdict = "" if f.met is None else (" met" if f.met else " MISSED")
+        versus = f" ({f.ratio:.2f}x {f.peer})" if f.ratio is not None else ""
+        goal = f"  goal {f.goal}{verdict}" if f.goal else ""
+        print(f"{f.name}: {f.value:.4g} {f.unit}{versus}{goal}")
+    if json_to:
+        Path(json_to).write_text(json.dumps(doc, indent=1) + "\n")
