@@ -109,6 +109,8 @@ class ModuleAbi:
     """symbols this module exports -> their CRC (None when built without modversions)"""
     signed: bool
     has_modversions: bool
+    needs: frozenset[str] = field(default=frozenset(), repr=False)
+    """module names ``.modinfo`` says it needs: ``depends=`` (modpost's) and ``softdep=``"""
 
     @property
     def kernel_release(self) -> str:
@@ -236,7 +238,8 @@ def _parse(
         )
     if not isinstance(sections[".symtab"], SymbolTableSection):
         raise Truncated(path, f".symtab is {sections['.symtab']['sh_type']}, not SHT_SYMTAB")
-    modinfo = _modinfo(sections[".modinfo"].data())
+    modinfo_data = sections[".modinfo"].data()
+    modinfo = _modinfo(modinfo_data)
     versions = sections.get("__versions")
     ext_crcs, ext_names = sections.get("__version_ext_crcs"), sections.get("__version_ext_names")
     if ext_crcs is not None and ext_names is not None:
@@ -259,6 +262,7 @@ def _parse(
         exports=exports,
         signed=signed,
         has_modversions=versions is not None or ext_crcs is not None,
+        needs=_needs(modinfo_data),
     )
 
 
@@ -280,6 +284,18 @@ def _modinfo(data: bytes) -> dict[str, str]:
         if sep:
             out.setdefault(key, value)
     return out
+
+
+def _needs(data: bytes) -> frozenset[str]:
+    """Module names from every ``depends=a,b`` and ``softdep=pre: c post: d`` of .modinfo."""
+    out: set[str] = set()
+    for item in data.split(b"\0"):
+        key, _, value = item.decode("utf-8", errors="replace").partition("=")
+        if key == "depends":
+            out.update(n.replace("-", "_") for n in value.split(",") if n)
+        elif key == "softdep":
+            out.update(w.replace("-", "_") for w in value.split() if w not in ("pre:", "post:"))
+    return frozenset(out)
 
 
 def _versions(path: Path, data: bytes, elfclass: int, little: bool) -> dict[str, int]:

@@ -168,12 +168,13 @@ class SymbolProblem:
 def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[SymbolProblem]:
     """Regenerate the module root's indexes for `kernel`.
 
-    Runs ``depmod -b <module_root> -C <00-kvcd.conf> [-C <system depmod.d dir>…] <kernel>``
-    (see :func:`_depmod_config` for why -C). depmod writes each index as ``<name>.tmp`` and
-    renames it, so a concurrent modprobe sees whole files; :func:`tree_lock` keeps two kvcd
-    instances from running depmod at once. With `symvers` (the kernel's Module.symvers, e.g.
-    RHEL's /boot/symvers-<k>.gz unpacked) depmod also checks every symbol (`-e -E`); the
-    problems it found are returned.
+    Runs ``depmod -b <module_root> -C <00-kvcd.conf> [-C <system depmod.d dir>…] <kernel>
+    <module file>…`` (see :func:`_depmod_config` for why -C; the files are the instances'
+    modules and the in-tree ones they need, :mod:`kvcd.host.modindex`). depmod writes each
+    index as ``<name>.tmp`` and renames it, so a concurrent modprobe sees whole files;
+    :func:`tree_lock` keeps two kvcd instances from running depmod at once. With `symvers`
+    (the kernel's Module.symvers, e.g. RHEL's /boot/symvers-<k>.gz unpacked) depmod also
+    checks every symbol (`-e -E`); the problems it found are returned.
     """
     check_name("kernel version", kernel)
     argv = ["depmod", "-b", str(root.module_root)]
@@ -183,6 +184,11 @@ def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[
         argv += ["-e", "-E", str(symvers)]
     argv.append(kernel)
     with tree_lock(root):
+        if not root.system_tree:  # the system's own tree keeps the system's whole index
+            from kvcd.host import modindex
+
+            scope = modindex.scope(root.kernel_dir(kernel), kernel)
+            argv += [str(p) for p in scope or ()]
         failpoint.hit("depmod")
         try:
             done = run(argv)

@@ -37,15 +37,26 @@ def kmods_v2(kmods: BuiltKmods) -> BuiltKmods:
     return build_test_kmods("2.0", kernel=kmods.kernel)
 
 
-def make_system(root: HostRoot, kernel: str, in_tree: Sequence[Path] = ()) -> Path:
-    """A minimal booted-kernel module directory; `in_tree` modules go to kernel/drivers/kvcd/."""
+def make_system(
+    root: HostRoot, kernel: str, in_tree: Sequence[Path] = (), *, indexed: bool = True
+) -> Path:
+    """A minimal booted-kernel module directory; `in_tree` modules go to kernel/drivers/kvcd/.
+
+    `indexed`: the system's own depmod has run over it, as the kernel package's does (kvcd then
+    indexes only what its modules need, kvcd.host.modindex; without it, the whole tree)."""
     system = root.system_modules(kernel)
     (system / "kernel" / "drivers" / "kvcd").mkdir(parents=True)
     for name in ("modules.builtin", "modules.builtin.modinfo", "modules.order"):
         (system / name).write_text("")
     for ko in in_tree:
         shutil.copy(ko, system / "kernel" / "drivers" / "kvcd" / ko.name)
+    if indexed:
+        system_depmod(root, kernel)
     return system
+
+
+def system_depmod(root: HostRoot, kernel: str) -> None:
+    run(["depmod", "-b", str(root.root), kernel])
 
 
 def make_store(root: HostRoot, version: str, kernel: str, modules: list[Path]) -> Path:
@@ -105,6 +116,7 @@ def test_instance_module_wins_over_a_same_named_system_module(
     system = make_system(root, k, in_tree=[kmods_v2.base])
     (system / "updates").mkdir()
     shutil.copy(kmods_v2.base, system / "updates" / "kvcd_base.ko")
+    system_depmod(root, k)
     if system_conf is not None:
         root("/etc/depmod.d").mkdir(parents=True)
         root("/etc/depmod.d/dist.conf").write_text(system_conf)
@@ -282,3 +294,56 @@ def test_kmsg_reader_on_the_real_kernel_log() -> None:
             (4, f"{name}: Unknown symbol kvcd_no_such_symbol (err -2)")
         ]
         assert reader.read_new() == []
+
+
+def _dep_lines(tree: Path, prefix: str) -> dict[str, str]:
+    """modules.dep lines of the modules under `prefix`, by path."""
+    lines = (tree / "modules.dep").read_text().splitlines()
+    return dict(line.split(":", 1) for line in lines if line.startswith(prefix))
+
+
+def test_depmod_indexes_the_instance_and_what_it_needs_the_same_as_a_full_depmod(
+    tmp_path: Path, kmods: BuiltKmods
+) -> None:
+    """The in-tree dependency comes from the system's own index; an unrelated in-tree module is
+    left out; the instance's line is byte for byte what depmod over the whole tree writes."""
+    root = HostRoot(tmp_path / "targeted")
+    k = kmods.kernel
+    make_system(root, k, in_tree=[kmods.base, kmods.bad])
+    store = make_store(root, "1.0", k, [kmods.user])
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    targeted = (tree / "modules.dep").read_text()
+    assert "kvcd_bad" not in targeted  # not needed by any instance: not indexed
+    assert kmod.show_depends(root, k, "kvcd_user") == [
+        str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko"),
+        str(tree / "extra" / INSTANCE / "kvcd_user.ko"),
+    ]
+
+    full = HostRoot(tmp_path / "full")
+    make_system(full, k, in_tree=[kmods.base, kmods.bad], indexed=False)
+    full_tree = modtree.prepare_kernel_tree(full, k)
+    modtree.activate(full, k, INSTANCE, make_store(full, "1.0", k, [kmods.user]))
+    kmod.depmod(full, k)
+    assert "kvcd_bad" in (full_tree / "modules.dep").read_text()  # the whole tree
+    assert _dep_lines(tree, "extra/") == _dep_lines(full_tree, "extra/") != {}
+    assert (tree / "modules.symbols").read_text() != ""
+
+
+def test_a_stale_system_index_still_resolves_the_instances_own_modules(
+    tmp_path: Path, kmods: BuiltKmods
+) -> None:
+    """Instance modules depending on each other need nothing from the system's index."""
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    system = make_system(root, k)
+    (system / "modules.dep").write_text("")  # an index that knows nothing
+    store = make_store(root, "1.0", k, [kmods.base, kmods.user])
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    assert kmod.show_depends(root, k, "kvcd_user") == [
+        str(tree / "extra" / INSTANCE / "kvcd_base.ko"),
+        str(tree / "extra" / INSTANCE / "kvcd_user.ko"),
+    ]
