@@ -49,6 +49,7 @@ DEBOUNCE_SECONDS = 0.05
 
 class DriftMonitor(Extension):
     name = SOURCE
+    late = True  # the baseline/report of what the cycle left, after READY=1
 
     def __init__(
         self,

@@ -103,6 +103,10 @@ class Extension:
     only call `ctx.post(Event)`."""
 
     name = "extension"
+    late = False
+    """Its after-hook only reports or records (the node, the drift baseline, the next kernel):
+    the loop runs it after READY=1, so a start or a reload is not held back by it. Hooks that
+    decide the outcome READY=1 announces (links, drain, ordered upgrade) are not late."""
 
     def start(self, ctx: Context) -> None:
         """Start the watchers (their threads may `ctx.post`). Called on the first good config

@@ -102,6 +102,7 @@ class NextKernel(Extension):
     """
 
     name = SOURCE
+    late = True  # carries the next-kernel fields into the record, after READY=1
 
     def __init__(
         self,

@@ -130,6 +130,7 @@ class Reporter(Extension):
     """Publishes the record to the node after each reconcile. Register it LAST."""
 
     name = "node-report"
+    late = True  # publishes the outcome after READY=1 (the last late hook)
 
     def __init__(self, link: NodeLink) -> None:
         self.link = link

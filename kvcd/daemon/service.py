@@ -20,7 +20,6 @@ import os
 import selectors
 import signal
 import socket
-import threading
 import time
 from types import FrameType
 
@@ -37,7 +36,7 @@ from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import failpoint, files, kmod, procs, pylibs
 from kvcd.host.paths import HostRoot
-from kvcd.host.systemd import Notifier
+from kvcd.host.systemd import Keepalive, Notifier
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +73,10 @@ class Service:
         # and, after a transient failure, when the back-off ends (wall clock).
         self.ledger: Attempt | None = None
         self.retry_at: float | None = None
+        # The loop runs the late after-hooks itself, after READY=1 (run_late); a reconcile
+        # called on its own (tests, tools) runs every hook.
+        self.defer_late = False
+        self._late: Instance | None = None
 
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -249,17 +252,43 @@ class Service:
         return None
 
     def _after(self, inst: Instance, record: Record | None) -> Record | None:
-        """Let each extension amend the outcome (and report it); the last one sees the final."""
+        """Let each extension amend the outcome (and report it); the last one sees the final.
+
+        With `self.defer_late` (the loop's cycles) the late hooks (Extension.late: reporting,
+        baselines) wait for :meth:`run_late`, after READY=1."""
         if self.ctx is None:
             return record
         record = record or Record.read(self.root, self.name)
         if record is None:
             return None
+        if self.defer_late:
+            self._late = inst
+        return self._hooks(inst, record, late=False if self.defer_late else None)
+
+    def _hooks(self, inst: Instance, record: Record, late: bool | None) -> Record:
+        assert self.ctx is not None
         for ext in self.exts:
+            if late is not None and ext.late != late:
+                continue
             amended = ext.after(self.ctx, record)
             if amended is not None and not record.says(amended.state, amended.code, amended.detail):
                 record = inst.note(amended.state, amended.code, amended.detail, pid=os.getpid())
         return record
+
+    def run_late(self, record: Record | None) -> Record | None:
+        """The late after-hooks of the last cycle (after READY=1 or the reload's answer):
+        report to the node, take the drift baseline, carry the next kernel. Returns the record
+        as they leave it (a lost drift record amends it)."""
+        inst, self._late = self._late, None
+        if inst is None or self.ctx is None:
+            return record
+        try:
+            with Keepalive(self.notify):
+                current = record or Record.read(self.root, self.name)
+                return self._hooks(inst, current, late=True) if current is not None else None
+        except OSError as exc:  # the record could not be amended: the next cycle says it
+            log.warning("after the cycle: %s", files.os_error(exc), extra=self.fields)
+            return record
 
     # -- reconcile -------------------------------------------------------------------------------
     def reconcile(self, events: list[Event] | None = None) -> Record | None:
@@ -272,7 +301,7 @@ class Service:
         try:
             # Everything a cycle runs, the after-hooks of a skipped one too (a next-kernel build
             # ahead), may work long: the watchdog is fed from a thread meanwhile.
-            with _Keepalive(self.notify):
+            with Keepalive(self.notify):
                 return self._reconcile(events or [])
         except files.Refused as exc:
             # A symlink or special file where kvcd keeps its own state: kvcd can record nothing,
@@ -368,7 +397,7 @@ class Service:
         if inst is None:
             return 1
         try:
-            with _Keepalive(self.notify):
+            with Keepalive(self.notify):
                 inst.apply("unload", pid=os.getpid())
         except StepFailed as exc:
             log.error("could not unload on stop: %s", exc, extra=self.fields)
@@ -383,16 +412,23 @@ class Service:
                 storegc.collect_unconfigured(self.root, self.kernel, self.fields)
             except (kmod.KmodError, OSError) as exc:  # the reconcile says what is wrong
                 log.warning("module root clean-up failed: %s", exc, extra=self.fields)
+            self.defer_late = True
             record = self.reconcile([Event("start", kind=attempts.RETRY)])
             started = ready = False  # READY=1 sent at all / since the last reload
             while True:
                 if not started and record is None and self.retry_at is None:
                     # Failed for good before READY=1 (at once, or after transient tries).
+                    self.run_late(record)  # the node hears of it too
                     if self._take(signal.SIGTERM, signal.SIGINT):
                         return self.stop()
                     # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.
                     return 2 if self.config_invalid else 1
                 if started or record is not None:  # not while the first start backs off
+                    ready = self._announce(record, ready)
+                    started = started or ready
+                late = self.run_late(record)
+                if late is not record and (started or late is not None):
+                    record = late  # a late hook amended it (a lost drift record): say so
                     ready = self._announce(record, ready)
                     started = started or ready
                 events: list[Event] = []
@@ -430,7 +466,7 @@ class Service:
             if not ext.wants_idle():
                 continue
             try:
-                with _Keepalive(self.notify):
+                with Keepalive(self.notify):
                     ext.idle(self.ctx)
             except Exception:  # one extension's chore must not take the instance down
                 log.exception("extension %s: idle work failed", ext.name, extra=self.fields)
@@ -461,28 +497,3 @@ class Service:
         else:
             self.notify.ready(text)
         return True
-
-
-class _Keepalive:
-    """Feeds the watchdog from a thread while the main thread is inside a long step (a build)."""
-
-    def __init__(self, notifier: Notifier) -> None:
-        self.notify = notifier
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> _Keepalive:
-        interval = self.notify.watchdog_interval()
-        if interval:
-            self._thread = threading.Thread(target=self._feed, args=(interval,), daemon=True)
-            self._thread.start()
-        return self
-
-    def _feed(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self.notify.watchdog()
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join()

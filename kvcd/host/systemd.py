@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 
@@ -213,3 +214,28 @@ def _status(text: str | None) -> tuple[str, ...]:
     if text is None:
         return ()
     return ("STATUS=" + text.replace("\r\n", " ").replace("\n", " ").replace("\r", " "),)
+
+
+class Keepalive:
+    """Feeds the watchdog from a thread while the main thread is inside a long step (a build)."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self.notify = notifier
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Keepalive:
+        interval = self.notify.watchdog_interval()
+        if interval:
+            self._thread = threading.Thread(target=self._feed, args=(interval,), daemon=True)
+            self._thread.start()
+        return self
+
+    def _feed(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.notify.watchdog()
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()

@@ -248,6 +248,52 @@ def test_idle_work_runs_after_ready_when_no_event_waits(
     assert ext.seen == [[Event("start", kind=RETRY)], [Event("chore", "done")]]
 
 
+def test_late_after_hooks_run_after_ready_and_outcome_hooks_before(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 goes out as soon as the outcome is settled: the hooks that only report or take a
+    baseline (Extension.late: the node, drift, the next kernel) run after it, in their order;
+    what a late hook amends is announced too (STATUS=)."""
+    n = fakehost.RecordingNotifier()
+    seen: list[tuple[str, bool]] = []
+
+    class Hook(Scripted):
+        def __init__(self, name: str, late: bool, amend: Verdict | None = None) -> None:
+            super().__init__(amends=[amend] if amend else [], on_verdict=self.first)
+            self.name, self.late = name, late
+
+        def first(self, count: int, _events: list[Event]) -> None:
+            if count == 2:
+                sigterm()
+
+        def after(self, ctx: Context, record: Record) -> Verdict | None:
+            seen.append((self.name, any(s.startswith("READY=1") for s in n.sent)))
+            return super().after(ctx, record)
+
+    lost = Verdict(HOLD, state.DEGRADED, state.STATE_DAMAGED, "drift record taken again")
+    hooks = [Hook("drift", True, lost), Hook("links", False), Hook("node", True)]
+    use(monkeypatch, *hooks)
+
+    def wake_once() -> None:  # a second cycle, then SIGTERM from its verdict
+        time.sleep(0.2)
+        assert hooks[0].ctx is not None
+        hooks[0].ctx.post(Event("poke"))
+
+    threading.Thread(target=wake_once, daemon=True).start()
+    svc = Service(host, "e2e", K, n)
+    assert svc.run() == 0
+    assert seen[:3] == [("links", False), ("drift", True), ("node", True)]
+    assert hooks[2].records[0][0] == state.DEGRADED  # the node got the late amendment
+    assert any(s.startswith(f"STATUS={state.DEGRADED}: ") for s in n.sent)
+    # a reconcile called on its own runs every hook, in order
+    seen.clear()
+    svc.defer_late = False
+    use(monkeypatch, *hooks)
+    svc.ctx = None
+    svc.reconcile([Event("poke")])
+    assert [name for name, _ in seen] == ["drift", "links", "node"]
+
+
 def test_timer_events_come_at_the_interval_and_only_when_asked(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -175,7 +175,8 @@ def test_f1_podman_api_down_and_back() -> None:
         st = degraded_with("PodmanUnavailable")
         assert "podman.sock" in st["detail"], st
         assert active() and loaded_version() == before  # the old version stays in service
-        assert node_annotations()[f"kvcd.io/{INSTANCE}.state"] == "Degraded"
+        # The node is told right after the reload's answer (the reporter is a late hook).
+        wait_for(lambda: node_annotations()[f"kvcd.io/{INSTANCE}.state"] == "Degraded", 60, "node")
         assert node_annotations()[f"kvcd.io/{INSTANCE}.reason"].startswith("PodmanUnavailable")
         assert journal_says(since, "PodmanUnavailable")
         assert "next try at" in sh(["kvcd", "status", INSTANCE]).stdout
