@@ -1,0 +1,199 @@
+"""Guest-side: how fast kvcd is where it counts (issue #20), on a real kernel, and that the fast
+paths are right. Figures go to results/perf-table.md and timings.txt; nothing here asserts a
+time (the goals are read from the table), only correctness.
+
+(p1) start -> modules live -> READY=1 of kvcd@e2e-kmod with its image cached and its store
+     prepared, five times: from systemd's own timestamps (the main process's exec, the unit
+     becoming active = READY=1) and the journal's monotonic time of the last "loaded" event.
+(p2) depmod: kvcd's targeted index (kvcd.host.modindex) against a full depmod over the same
+     tree, in a scratch copy of kvcd's module root to which a few real in-tree modules with deep
+     dependency chains are added as if an instance shipped them: every modules.dep line of the
+     "instance" modules must be the same, and modprobe must resolve each of them.
+(p3) `kvcd status`, `kvcd check-config` and `python3 -c pass`: wall time, median of five.
+(p4) the daemon's tasks and RSS 20 s after a start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from kvcdguest import (
+    BUILD_TIMEOUT,
+    MODS,
+    RESULTS,
+    UNIT,
+    record_timing,
+    sh,
+    state_is,
+    wait_for,
+)
+
+ROOT = Path("/var/lib/kvcd/modules")
+KVER = os.uname().release
+TABLE: list[tuple[str, str]] = []
+MSG_LOADED = "87b9315dc4644d2ea1e8f586eb31ab5a"  # kvcd.host.journal.MSG_LOADED
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _table() -> object:
+    sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+    wait_for(state_is("Done"), BUILD_TIMEOUT, "e2e-kmod Done before the measurements")
+    yield
+    lines = ["| figure | measured |", "|---|---|", *(f"| {k} | {v} |" for k, v in TABLE)]
+    (RESULTS / "perf-table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def figure(name: str, seconds: float, key: str) -> None:
+    TABLE.append((name, f"{seconds * 1000:.0f} ms"))
+    record_timing(key, seconds)
+
+
+def prop(unit: str, name: str) -> str:
+    return sh(["systemctl", "show", "-P", name, unit]).stdout.strip()
+
+
+def loaded_at_us(since_us: int) -> int:
+    """Monotonic µs of the last module's "loaded" journal event after `since_us`."""
+    argv = ["journalctl", "-u", UNIT, "-o", "json", "--no-pager", f"MESSAGE_ID={MSG_LOADED}"]
+    out = sh(argv).stdout
+    times = [
+        int(e["__MONOTONIC_TIMESTAMP"])
+        for e in map(json.loads, out.splitlines())
+        if e.get("_BOOT_ID", "").replace("-", "") == boot_id()
+        and int(e["__MONOTONIC_TIMESTAMP"]) >= since_us
+        and MODS[-1] in e.get("MESSAGE", "")
+    ]
+    assert times, f"no 'loaded {MODS[-1]}' event after {since_us}"
+    return max(times)
+
+
+def boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+
+
+def test_p1_start_live_ready() -> None:
+    live, ready = [], []
+    for _ in range(5):
+        sh(["systemctl", "stop", UNIT], timeout=600)
+        assert not any(m in Path("/proc/modules").read_text() for m in MODS)
+        sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+        exec_us = int(prop(UNIT, "ExecMainStartTimestampMonotonic"))
+        ready_us = int(prop(UNIT, "ActiveEnterTimestampMonotonic"))
+        live_us = loaded_at_us(exec_us)
+        assert exec_us < live_us <= ready_us, (exec_us, live_us, ready_us)
+        live.append((live_us - exec_us) / 1e6)
+        ready.append((ready_us - live_us) / 1e6)
+    figure("start -> modules live (median of 5)", statistics.median(live), "perf_live")
+    figure("modules live -> READY=1 (median of 5)", statistics.median(ready), "perf_ready")
+
+
+def _scratch_tree(base: Path) -> Path:
+    """A copy of kvcd's tree for the running kernel made of links (as the drift regeneration
+    makes it), with `extra/perf/` holding copies of in-tree modules with deep dependencies."""
+    real = ROOT / "lib" / "modules" / KVER
+    kdir = base / "lib" / "modules" / KVER
+    kdir.mkdir(parents=True)
+    for entry in os.listdir(real):
+        if entry.startswith("modules.") and not entry.startswith(
+            ("modules.builtin", "modules.order")
+        ):
+            continue
+        src = real / entry
+        if entry == "extra":
+            (kdir / "extra").mkdir()
+            for name in os.listdir(src):
+                os.symlink(os.path.realpath(src / name), kdir / "extra" / name)
+            continue
+        os.symlink(os.path.realpath(src), kdir / entry)
+    system = Path("/lib/modules") / KVER
+    deps = {}
+    for line in (system / "modules.dep").read_text().splitlines():
+        path, _, rest = line.partition(":")
+        deps[path] = rest.split()
+    # The five in-tree modules with the longest dependency lists (not in extra/weak-updates).
+    chosen = sorted((p for p in deps if p.startswith("kernel/")), key=lambda p: -len(deps[p]))[:5]
+    (kdir / "extra" / "perf").mkdir()
+    for p in chosen:
+        shutil.copy(system / p, kdir / "extra" / "perf" / os.path.basename(p))
+    return kdir
+
+
+def _dep_lines(kdir: Path) -> dict[str, str]:
+    lines = (kdir / "modules.dep").read_text().splitlines()
+    return dict(line.split(":", 1) for line in lines if line.startswith("extra/"))
+
+
+def test_p2_targeted_depmod_is_a_full_depmods_restriction(tmp_path: Path) -> None:
+    from kvcd.host import modindex
+
+    base = tmp_path / "root"
+    kdir = _scratch_tree(base)
+    conf = ROOT / "depmod.d" / "00-kvcd.conf"
+    argv = ["depmod", "-b", str(base), "-C", str(conf), KVER]
+
+    t0 = time.monotonic()
+    sh(argv, timeout=600)
+    full_s = time.monotonic() - t0
+    full = _dep_lines(kdir)
+
+    t0 = time.monotonic()
+    scope = modindex.scope(kdir, KVER)
+    figure("depmod scope: reading what the modules need", time.monotonic() - t0, "perf_scope")
+    assert scope is not None, "the guest's kernel has a system index: the scope is known"
+    for name in ("modules.dep", "modules.dep.bin", "modules.alias", "modules.symbols"):
+        (kdir / name).unlink()
+    t0 = time.monotonic()
+    sh([*argv, *map(str, scope)], timeout=600)
+    targeted_s = time.monotonic() - t0
+    targeted = _dep_lines(kdir)
+
+    assert targeted == full and any(k.startswith("extra/perf/") for k in full), (targeted, full)
+    indexed = len((kdir / "modules.dep").read_text().splitlines())
+    for line in targeted:  # modprobe resolves every "instance" module through the index
+        name = modindex.module_name(line)
+        dry = sh(["modprobe", "--dry-run", "--show-depends", "-d", str(base), "-S", KVER, name])
+        assert dry.stdout.strip(), f"modprobe resolved nothing for {name}"
+    TABLE.append(("depmod: modules indexed (targeted)", f"{indexed} of {len(scope)} given"))
+    figure("depmod, whole tree (the old way)", full_s, "perf_depmod_full")
+    figure("depmod, targeted (kvcd's way)", targeted_s, "perf_depmod_targeted")
+
+
+def _median_wall(argv: list[str], runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.monotonic()
+        subprocess.run(argv, capture_output=True, check=True)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
+
+
+def test_p3_cli_start_up() -> None:
+    floor = _median_wall(["python3", "-c", "pass"])
+    figure("python3 -c pass (the floor)", floor, "perf_python_floor")
+    for verb in (["status"], ["check-config"]):
+        wall = _median_wall(["kvcd", *verb])
+        figure(f"kvcd {' '.join(verb)} ({wall / floor:.1f}x the floor)", wall, f"perf_{verb[0]}")
+
+
+def test_p4_daemon_tasks_and_rss() -> None:
+    sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
+    wait_for(state_is("Done"), BUILD_TIMEOUT, "Done after the restart")
+    time.sleep(20)
+    pid = int(prop(UNIT, "MainPID"))
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    threads = int(status["Threads"])
+    rss_mib = int(status["VmRSS"].split()[0]) / 1024
+    TABLE.append(("daemon threads, 20 s after a start", str(threads)))
+    TABLE.append(("daemon RSS, 20 s after a start", f"{rss_mib:.1f} MiB"))
+    record_timing("perf_threads", threads)
+    record_timing("perf_rss_mib", rss_mib)
