@@ -94,11 +94,12 @@ def verbs(tree: str, instances: int) -> dict[str, list[str]]:
 _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
 
 
-def _importtime(argv: list[str], env: dict[str, str]) -> dict[str, tuple[int, int]]:
+def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:
     """module -> (cumulative µs, depth) of one `python -X importtime` run."""
     err = subprocess.run(
         [sys.executable, "-X", "importtime", *argv],
         env=env,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -112,12 +113,14 @@ def _importtime(argv: list[str], env: dict[str, str]) -> dict[str, tuple[int, in
     return found
 
 
-def imports(argv: list[str], env: dict[str, str], runs: int) -> tuple[float, dict[str, object]]:
+def imports(
+    argv: list[str], env: dict[str, str], cwd: str, runs: int
+) -> tuple[float, dict[str, object]]:
     """What `argv` imports beyond `python -c pass`: the top-level imports' time (ms; nested
     entries are inside their parent's cumulative figure), the module count, and the biggest
     cumulative entries (median of `runs` runs each)."""
-    peer = set(_importtime(["-c", "pass"], env))
-    samples = [_importtime(argv, env) for _ in range(runs)]
+    peer = set(_importtime(["-c", "pass"], env, cwd))
+    samples = [_importtime(argv, env, cwd) for _ in range(runs)]
     names = [n for n in samples[0] if n not in peer]
     cumulative = {n: statistics.median(s[n][0] for s in samples if n in s) for n in names}
     depth = samples[0]
@@ -143,7 +146,8 @@ def main() -> None:
     add_json_flag(ap)
     args = ap.parse_args()
     # The tree first on sys.path: it wins over the venv's editable install (a meta-path finder
-    # after the path finder). The peer gets the same environment.
+    # after the path finder). The peer gets the same environment. Every process runs in the
+    # scratch directory, not the checkout (`-c` puts the working directory first on sys.path).
     env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
     # Bytecode caches on, as an installed kvcd has them (an RPM ships the .pyc files): without
     # them every run compiles every module it imports, which is not start-up but installation.
@@ -161,18 +165,18 @@ def main() -> None:
             times: list[float] = []
             peers: list[float] = []
             peak = peer_peak = 0
-            timed_run(argv, env)  # warm the page cache and the .pyc files
+            timed_run(argv, env, tmp)  # warm the page cache and the .pyc files
             for i in range(args.runs):
                 order = [(argv, times), (peer_argv, peers)]
                 for cmd, into in order if i % 2 else reversed(order):
-                    seconds, rss = timed_run(cmd, env)
+                    seconds, rss = timed_run(cmd, env, tmp)
                     into.append(seconds)
                     if cmd is argv:
                         peak = max(peak, rss)
                     else:
                         peer_peak = max(peer_peak, rss)
             ms, peer_ms = statistics.median(times) * 1000, statistics.median(peers) * 1000
-            imp_ms, imp = imports([*ENTRY, *kvcd_args], env, args.importtime_runs)
+            imp_ms, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
             ratio = ms / peer_ms
             figures += [
                 Figure(

@@ -34,10 +34,14 @@ def timed_runs(
     return times, peak
 
 
-def timed_run(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+def timed_run(
+    argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[float, int]:
     """Wall seconds and peak RSS (KiB) of one fresh process; exits when it fails."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(list(argv), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        list(argv), env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
