@@ -4,8 +4,9 @@
   instance with variants on each reconcile;
 - device enumeration: kvcd's sysfs walk vs pyudev (libudev) - what each DeviceGate verdict costs;
 - link listing: pyroute2 `list_links()` vs `ip -j link` parsed (process start included);
-- matching: `decide()` over 64 variants x 12 capabilities (pure);
-- `kvcd capabilities --json` as a fresh process vs bare interpreter start-up.
+- matching: `decide()` over 64 variants x 12 capabilities (pure).
+
+`kvcd capabilities` as a fresh process against bare interpreter start-up: bench_startup.py.
 
 Usage: .venv/bin/python -m benchmarks.bench_capabilities [--runs N]
 """
@@ -16,10 +17,9 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.common import ROOT, summary, timed_calls, timed_runs
+from benchmarks.common import summary, timed_calls
 from kvcd.core.capabilities import decide
 from kvcd.host import devices, discover
 from kvcd.host.netlink import list_links
@@ -76,13 +76,6 @@ def main() -> None:
     line(
         "decide(): 64 variants x 12 caps", timed_calls(lambda: decide(node, variants, table), runs)
     )
-
-    cli, peak = timed_runs(
-        [sys.executable, "-m", "kvcd.cli", "capabilities", "--json"], max(5, runs // 5)
-    )
-    bare, _ = timed_runs([sys.executable, "-c", "pass"], max(5, runs // 5))
-    line("`kvcd capabilities --json`", cli, bare, "of bare python start-up")
-    print(f"  peak RSS {peak / 1024:.1f} MiB (cwd {ROOT})")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each instance is checked against every other (one owner per module, image tags), so a
 check-config that re-read its neighbours' configs per instance grows as N². The scratch root is
-bench_status's (N instances, recorded states, loaded modules in a fake /sys/module); the plan
+bench_startup's (N instances, recorded states, loaded modules in a fake /sys/module); the plan
 is made for the recorded kernel. Linear growth: t(100)/t(10) near 10; quadratic: near 100.
 Usage: .venv/bin/python -m benchmarks.bench_check_config [--runs R]
 """
@@ -15,7 +15,7 @@ import io
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_status import K, make_tree
+from benchmarks.bench_startup import K, make_tree
 from benchmarks.common import summary, timed_calls
 from kvcd.cli import main
 

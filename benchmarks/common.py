@@ -28,19 +28,30 @@ def timed_runs(
     times: list[float] = []
     peak = 0
     for _ in range(runs):
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            list(argv), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        _, status, usage = os.wait4(proc.pid, 0)
-        times.append(time.perf_counter() - t0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            sys.exit(
-                f"benchmark command failed: {' '.join(argv)}: "
-                f"{proc.stderr.read().decode() if proc.stderr else ''}"
-            )
-        peak = max(peak, usage.ru_maxrss)
+        seconds, rss = timed_run(argv, env)
+        times.append(seconds)
+        peak = max(peak, rss)
     return times, peak
+
+
+def timed_run(
+    argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KiB) of one fresh process; exits when it fails."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        list(argv), env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(
+            f"benchmark command failed: {' '.join(argv)}: "
+            f"{proc.stderr.read().decode() if proc.stderr else ''}"
+        )
+    if proc.stderr:
+        proc.stderr.close()
+    return seconds, usage.ru_maxrss
 
 
 def timed_calls(fn: Callable[[], object], runs: int, *, warm: bool = True) -> list[float]:

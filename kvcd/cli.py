@@ -198,7 +198,10 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.host import pylibs
 
         try:  # a library kvcd needs is part of the installation, not a feature that may be off
-            pylibs.require_all()
+            if verb == "check-config":  # looks them up: only the daemon pays for importing them
+                pylibs.require_all(pylibs.locate)
+            else:
+                pylibs.require_all()
         except pylibs.Missing as exc:
             print(f"kvcd: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -272,10 +275,10 @@ def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
     from kvcd.config.rules import KVC_GLOBAL
     from kvcd.daemon.observe import host_for
     from kvcd.daemon.record import KernelUnknown, running_kernel
-    from kvcd.host.pylibs import check_settings
+    from kvcd.host.pylibs import check_settings, locate
 
     settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
-    check_settings(root, settings)  # ConfigError: a setting needs a library that is missing
+    check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
     if os.path.lexists(root.kvc_conf(KVC_GLOBAL)):  # load_settings checked it
         print(f"{root.kvc_conf(KVC_GLOBAL)}: ok (KVC's node-wide conf: container runtime podman)")
     if not names:

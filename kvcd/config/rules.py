@@ -4,7 +4,6 @@ key's label and returns the checked value or raises Invalid (the caller adds fil
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import re
@@ -414,6 +413,8 @@ def unknown_keys(
 ) -> None:
     for key in table:
         if key not in allowed:
+            import difflib  # only for a misspelt key
+
             close = difflib.get_close_matches(key, allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise fail(f"unknown key {key!r} in [{where}]{hint}", *prefix, key)

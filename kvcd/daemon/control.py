@@ -8,13 +8,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.daemon.record import Record
-from kvcd.host import files, hooks, procs
+from kvcd.host import files, procs
 from kvcd.host.paths import HostRoot
-from kvcd.host.run import CommandError, run_inherit
+
+if TYPE_CHECKING:
+    from kvcd.config.model import InstanceConfig, Settings
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,10 @@ def wrapper(
     root: HostRoot, settings: Settings, cfg: InstanceConfig, kernel: str, command: Sequence[str]
 ) -> int:
     """Run a userspace tool from the driver image (or the KVC library's `wrapper`)."""
+    # Here, not at the top: `kvcd status` imports this room for daemon_pid only.
+    from kvcd.host import hooks
+    from kvcd.host.run import CommandError, run_inherit
+
     if cfg.kvc_lib is not None:
         return hooks.wrapper(cfg.kvc_lib, command, hooks.hook_env(cfg.name, kernel, cfg.kvc_vars()))
     if not command:

@@ -32,7 +32,7 @@ from kvcd.config.model import ConfigError
 from kvcd.core import state
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
-from kvcd.host import files, kmod
+from kvcd.host import files, sysmodule
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def dependency_ready(root: HostRoot, name: str) -> tuple[bool, str]:
     if rec.state != state.DONE or rec.goal != "loaded":
         return False, rec.state if rec.goal == "loaded" else f"{rec.state}, {rec.goal}"
     # Done is not enough: an idle instance ("no device") is Done with nothing loaded.
-    missing = [m for m in rec.modules if kmod.read_module(root, m) is None]
+    missing = [m for m in rec.modules if sysmodule.read_module(root, m) is None]
     if missing:
         return False, f"{rec.state}: {rec.reason or 'not loaded'}"
     return True, "Done"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from kvcd.core import state
 from kvcd.core.capabilities import device_matches, matching_devices
 from kvcd.daemon.events import LOAD, UNLOAD, Context, Event, Extension, Verdict
-from kvcd.host import kmod
+from kvcd.host import sysmodule
 from kvcd.host.devices import Device, DeviceWatch, UdevWatch, present
 from kvcd.host.paths import HostRoot
 
@@ -79,7 +79,7 @@ class DeviceGate(Extension):
             self.present = found
         if found:
             return None
-        loaded = any(kmod.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
+        loaded = any(sysmodule.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
         if not loaded:
             # Nothing to do, but the goal is "unloaded": nobody may read an idle instance as
             # one whose modules went missing (the drift monitor's /sys/module check).

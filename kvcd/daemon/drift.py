@@ -34,7 +34,7 @@ from kvcd.daemon.driftstore import (
 )
 from kvcd.daemon.events import HOLD, SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
-from kvcd.host import files, journal, kmod, modtree
+from kvcd.host import files, journal, kmod, modtree, sysmodule
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.udev import ModuleEvent, ModuleMonitor, udevd_running
 
@@ -367,7 +367,7 @@ class DriftMonitor(Extension):
         loaded: dict[str, str | None] = {}
         for m in self.cfg.modules:
             want = stored.get(m.kernel_name)
-            lm = kmod.read_module(ctx.root, m.kernel_name)
+            lm = sysmodule.read_module(ctx.root, m.kernel_name)
             # A build is told by its srcversion, and by MODULE_VERSION where both sides have
             # one (srcversion hashes only the source files, not a version define).
             both = bool(want and want.version and lm and lm.version)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +54,8 @@ class Mailbox:
     """A thread-safe queue whose arrival wakes a selector (a socketpair byte)."""
 
     def __init__(self) -> None:
+        import socket  # here: the one-shot verbs import this room for its types only
+
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
         self.rsock, self.wsock = socket.socketpair()

@@ -25,7 +25,7 @@ from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon import store
-from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs
+from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
@@ -375,7 +375,7 @@ class Executor:
 
     def _verify(self, names: tuple[str, ...], loaded: bool) -> None:
         for name in names:
-            lm = kmod.read_module(self.root, name)
+            lm = sysmodule.read_module(self.root, name)
             if loaded and (lm is None or lm.initstate not in (None, "live")):
                 what = "not in /sys/module" if lm is None else f"in state {lm.initstate}"
                 raise StepFailed(state.VERIFY_FAILED, f"{name} is {what} after loading")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -20,10 +19,9 @@ from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon.events import Verdict
-from kvcd.daemon.executor import Executor
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, Writer, boot_id, recorded_names, writing
-from kvcd.host import files, journal, kmod
+from kvcd.host import files, journal, sysmodule
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -92,6 +90,8 @@ class Instance:
             with files.locked(self.root.owners_lock):
                 self._check_owner(w, verb, pid)
                 plan, about = self._claim(w, verb, pid)
+            from kvcd.daemon.executor import Executor  # not for plans (check-config, --dry-run)
+
             try:
                 Executor(
                     self.root,
@@ -142,6 +142,8 @@ class Instance:
         the settings, the verdict and the kernel. The attempt ledger compares it."""
         what = [asdict(self.cfg), asdict(self.settings), asdict(verdict), self.kernel]
         text = json.dumps(what, sort_keys=True, default=str)
+        import hashlib  # here: plans (check-config, --dry-run) do not digest
+
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def settle(self, ledger: Attempt) -> Record | None:
@@ -237,7 +239,7 @@ def held_modules(root: HostRoot) -> dict[str, list[str]]:
         held = [
             m
             for m in rec.modules
-            if rec.state == state.WORKING or kmod.read_module(root, m) is not None
+            if rec.state == state.WORKING or sysmodule.read_module(root, m) is not None
         ]
         if held:
             out[other] = held

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvcd.core import state
 from kvcd.core.capabilities import LinkView, links_ready
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
-from kvcd.host import files, kmod
+from kvcd.host import files, sysmodule
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class LinkReadiness(Extension):
         loaded = (
             (record.state == state.DONE or self._ours(record))
             and record.goal == "loaded"
-            and all(kmod.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
+            and all(sysmodule.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
         )
         if not specs or not loaded:
             self.since = None

@@ -10,7 +10,7 @@ from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
 from kvcd.daemon import store
-from kvcd.host import files, kmod, modtree, rpmostree
+from kvcd.host import files, kmod, modtree, rpmostree, sysmodule
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         active = manifest.version if manifest else None
     loaded: dict[str, ModState] = {}
     for m in d.modules:
-        lm = kmod.read_module(root, m.kernel_name)
+        lm = sysmodule.read_module(root, m.kernel_name)
         if lm is not None:
             loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
     want = stored.get(d.version)

@@ -5,7 +5,6 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 
 from __future__ import annotations
 
-import importlib
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from kvcd.config.model import ConfigError, Settings
 from kvcd.core import attempts, state
 from kvcd.daemon.control import daemon_pid
 from kvcd.daemon.record import Record, boot_id, recorded_names, unsaved
-from kvcd.host import files, kmod, pylibs
+from kvcd.host import files, pylibs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.rpmostree import is_ostree_host
 from kvcd.node.keys import stem
@@ -56,13 +55,14 @@ def capabilities(
     name: str,
     settings: Settings,
     running: bool,
-    importer: pylibs.Importer = importlib.import_module,
+    importer: pylibs.Importer = pylibs.locate,
 ) -> dict[str, dict[str, Any]]:
     """What this instance's `kvcd run` can do, and why not where it cannot.
 
     From the runtime files the daemon writes while it runs (drift.json, links.json), the
-    settings and the instance's config, and for libraries what imports here: the daemon is the
-    same installation (and refuses to start without a required library).
+    settings and the instance's config, and for libraries what is installed here (looked up,
+    not imported: the kubernetes client alone would cost several times the verb): the daemon
+    is the same installation (and refuses to start without a required library).
     """
     out: dict[str, dict[str, Any]] = {}
     not_running = f"kvcd@{name} is not running"
@@ -143,7 +143,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         )
         live: dict[str, Any] = {}
         for mod in entry.get("modules") or []:
-            lm = kmod.read_module(root, mod)
+            lm = sysmodule.read_module(root, mod)
             live[mod] = {
                 "loaded": lm is not None,
                 "refcnt": lm.refcnt if lm else 0,

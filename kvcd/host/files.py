@@ -23,7 +23,6 @@ import fcntl
 import json
 import logging
 import os
-import secrets
 import stat
 import time
 from collections.abc import Iterator
@@ -241,7 +240,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     _refuse_special(path)
     # The writer's pid in the name: a writer killed between create and rename leaves its
     # temporary file behind, and the next write of the same file removes it (_sweep).
-    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    tmp = directory / f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:

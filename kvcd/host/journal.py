@@ -26,7 +26,6 @@ import fcntl
 import logging
 import os
 import re
-import socket
 import stat
 import struct
 import sys
@@ -34,6 +33,9 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvcd.host.systemd import under_systemd
+
+if TYPE_CHECKING:
+    import socket
 
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 SYSLOG_IDENTIFIER = "kvcd"
@@ -195,6 +197,8 @@ class JournalHandler(logging.Handler):
             self._fallback(record)
 
     def _send(self, data: bytes) -> None:
+        import socket  # here: a CLI verb that logs to stderr never needs it
+
         if self._sock is None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
@@ -214,6 +218,8 @@ class JournalHandler(logging.Handler):
             seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
             # Not socket.send_fds: CPython's (3.9 to 3.11 at least) drops its address argument.
+            import socket
+
             rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))
             sock.sendmsg([b""], [rights], 0, self.socket_path)
         finally:

@@ -1,6 +1,7 @@
-"""Kernel modules: the errors of this family of rooms, module names, the module root's lock, and
-depmod/modprobe/rmmod on the tree, and /sys/module (kvcd/host/modtree.py builds the tree;
-modfiles.py reads module files). Commands run only through :func:`kvcd.host.run.run`.
+"""Kernel modules: the errors of this family of rooms, the module root's lock, and
+depmod/modprobe/rmmod on the tree (kvcd/host/modtree.py builds the tree; modfiles.py reads module
+files; sysmodule.py names modules and reads /sys/module, re-exported here). Commands run only
+through :func:`kvcd.host.run.run`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import re
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from kvcd.host import failpoint, files, kmsg
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run
+from kvcd.host.sysmodule import check_name, read_module
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,6 @@ SYSTEM_DEPMOD_DIRS = (
     "/usr/lib/depmod.d",
     "/lib/depmod.d",
 )
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 _PARAM_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INSMOD_RE = re.compile(r"^insmod (.+?\.ko(?:\.(?:xz|gz|zst))?)(?: .*)?$")
 _SYMBOL_RE = re.compile(
@@ -128,17 +129,6 @@ class ModinfoError(KmodError):
 
 
 # --- names and the tree lock ----------------------------------------------------------------
-
-
-def normalize(name: str) -> str:
-    """The kernel's spelling of a module name: '-' and '_' are the same, '_' is canonical."""
-    return name.replace("-", "_")
-
-
-def check_name(what: str, value: str) -> str:
-    if not _NAME_RE.fullmatch(value):
-        raise ValueError(f"invalid {what}: {value!r}")
-    return value
 
 
 @contextmanager
@@ -389,63 +379,3 @@ def unload(root: HostRoot, name: str) -> None:
         if "in use" in exc.stderr or now.refcnt > 0 or now.holders:
             raise ModuleInUse(now.name, now.refcnt, now.holders) from exc
         raise ModuleUnloadError(now.name, last_line(exc.stderr)) from exc
-
-
-# --- /sys/module ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadedModule:
-    """A module as /sys/module shows it."""
-
-    name: str
-    refcnt: int
-    """0 for built-in modules (they have no refcnt)"""
-    holders: tuple[str, ...]
-    initstate: str | None
-    """"live", "coming", "going"; None = built into the kernel"""
-    version: str | None
-    srcversion: str | None
-    params: dict[str, str] = field(default_factory=dict)
-    """readable parameters (write-only ones are left out), values without the trailing newline"""
-
-
-def _read_attr(path: Path) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return text[:-1] if text.endswith("\n") else text
-
-
-def read_module(root: HostRoot, name: str) -> LoadedModule | None:
-    """The module's state from ``root.sys_module/<name>``, or None when the kernel has no such
-    module (not loaded, or built in without parameters or version)."""
-    name = normalize(check_name("module name", name))
-    base = root.sys_module / name
-    if not base.is_dir():
-        return None
-    refcnt_text = _read_attr(base / "refcnt")
-    try:
-        holders = tuple(sorted(p.name for p in (base / "holders").iterdir()))
-    except FileNotFoundError:
-        holders = ()
-    params: dict[str, str] = {}
-    pdir = base / "parameters"
-    if pdir.is_dir():
-        for p in sorted(pdir.iterdir()):
-            try:
-                value = _read_attr(p)
-            except OSError:  # write-only (0200) parameters refuse reads, even for root
-                continue
-            if value is not None:
-                params[p.name] = value
-    return LoadedModule(
-        name=name,
-        refcnt=int(refcnt_text) if refcnt_text else 0,
-        holders=holders,
-        initstate=_read_attr(base / "initstate"),
-        version=_read_attr(base / "version"),
-        srcversion=_read_attr(base / "srcversion"),
-        params=params,
-    )

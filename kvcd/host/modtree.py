@@ -18,11 +18,11 @@ from kvcd.host.kmod import (
     KernelTreeMissing,
     KmodError,
     StoreMissing,
-    check_name,
     tree_lock,
 )
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run, which
+from kvcd.host.sysmodule import check_name
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcd.host import files, kmod
+from kvcd.host import files
 from kvcd.host.paths import HostRoot
+from kvcd.host.sysmodule import normalize, read_module
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def _uevent_name(devdir: Path) -> str | None:
 
 def module_devices(root: HostRoot, module: str) -> dict[tuple[str, int], str]:
     """(kind 'c'|'b', rdev) -> /dev path, for the device nodes that belong to `module`."""
-    name = kmod.normalize(module)
+    name = normalize(module)
     out: dict[tuple[str, int], str] = {}
     for kind, sub in (("c", "char"), ("b", "block")):
         base = root(f"/sys/dev/{sub}")
@@ -84,7 +85,7 @@ def module_devices(root: HostRoot, module: str) -> dict[tuple[str, int], str]:
             devname = _uevent_name(devdir) or ""
             owner = _owner(devdir)
             if owner == name or (
-                owner is None and devname and kmod.normalize(Path(devname).name) == name
+                owner is None and devname and normalize(Path(devname).name) == name
             ):
                 out[(kind, os.makedev(int(major), int(minor)))] = f"/dev/{devname or entry.name}"
     return out
@@ -144,7 +145,7 @@ def _is(mode: int, kind: str) -> bool:
 
 def usage(root: HostRoot, module: str) -> Usage | None:
     """Everything that holds `module`, or None when it is not loaded."""
-    lm = kmod.read_module(root, module)
+    lm = read_module(root, module)
     if lm is None:
         return None
     procs = processes_with_open(root, module_devices(root, module))

@@ -5,22 +5,24 @@ the host. The table is the one place that says which library serves which capabi
 to install (pip name, Fedora/RHEL RPM name); pyproject.toml's dependencies and rpm.spec's
 Requires list the same required set (tests/unit/test_pylibs.py checks both).
 
-Required libraries are imported at the start of `kvcd run` and `kvcd check-config`: a missing
-one is an error there, never a capability that quietly stays off later. Optional ones are
-needed only by a setting (the kubernetes client by ``node_backend = "kubernetes"``), which is
-then refused with the same one-line text, or have a real alternative path that is logged and
-shown in `kvcd status` (pydbus: the rpm-ostree CLI answers what its D-Bus API would).
+Required libraries are imported at the start of `kvcd run` and looked up (:func:`locate`) by
+`kvcd check-config`: a missing one is an error there, never a capability that quietly stays
+off later. Optional ones are needed only by a setting (the kubernetes client by
+``node_backend = "kubernetes"``), which is then refused with the same one-line text, or have a
+real alternative path that is logged and shown in `kvcd status` (pydbus: the rpm-ostree CLI
+answers what its D-Bus API would).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvcd.config.loader import setting_line, settings_source
-from kvcd.config.model import ConfigError, ConfigLocations, Settings
+if TYPE_CHECKING:
+    from kvcd.config.model import ConfigLocations, Settings
 
 Importer = Callable[[str], Any]
 
@@ -70,6 +72,33 @@ RPMOSTREE_DBUS = Requirement("rpm-ostree D-Bus", (PYDBUS, PYGOBJECT))
 
 class Missing(Exception):
     """A library kvcd or a setting needs does not import. The message is one line."""
+
+
+def locate(name: str) -> object:
+    """An :data:`Importer` that finds the module without running it (its top-level package's
+    spec): what the read-only verbs ask. Importing podman, pyroute2 or the kubernetes client
+    only to learn that they are installed costs several times the verb itself (issue #20).
+
+    Raises ModuleNotFoundError worded as `import` words it, for a package that is not
+    installed or is blocked in sys.modules. A package that is installed but fails to import is
+    found here; `kvcd run`, which imports every required one, refuses it.
+    """
+    import importlib.util
+
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if prefix in sys.modules and sys.modules[prefix] is None:
+            raise ModuleNotFoundError(
+                f"import of {prefix} halted; None in sys.modules", name=prefix
+            )
+    top = parts[0]
+    if top in sys.modules:
+        return sys.modules[top]
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {top!r}", name=top)
+    return spec
 
 
 def import_error(pkg: Package, importer: Importer = importlib.import_module) -> str | None:
@@ -140,6 +169,9 @@ def check_settings(
     problems = settings_problems(settings, importer)
     if not problems:
         return
+    from kvcd.config.loader import setting_line, settings_source
+    from kvcd.config.model import ConfigError
+
     path = settings_source(root)
     key, text = problems[0]
     if path is None:  # defaults never need an optional library; say where it would be set

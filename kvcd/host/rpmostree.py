@@ -23,12 +23,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcd.host import pylibs
-from kvcd.host.bootloader import NextBoot, valid_kernel
 from kvcd.host.paths import HostRoot
-from kvcd.host.run import CommandError, run
+
+if TYPE_CHECKING:  # the rest of the room, not `kvcd status` (is_ostree_host), needs these
+    from kvcd.host.bootloader import NextBoot
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ def _str(d: Mapping[str, Any], key: str) -> str:
 
 def _tree_kernel(tree: Path) -> Path | None:
     """The one kernel directory of a deployment tree (it has a vmlinuz), or None."""
+    from kvcd.host.bootloader import valid_kernel
+
     base = tree / "usr" / "lib" / "modules"
     try:
         found = sorted(p for p in base.iterdir() if (p / "vmlinuz").is_file())
@@ -81,6 +84,8 @@ def _tree_kernel(tree: Path) -> Path | None:
 
 
 def parse_deployment(root: HostRoot, d: Mapping[str, Any]) -> Deployment:
+    from kvcd.host.bootloader import valid_kernel
+
     osname = _str(d, "osname")
     checksum = _str(d, "checksum")
     serial = d.get("serial")
@@ -155,6 +160,8 @@ def parse_status_json(text: str) -> list[dict[str, Any]]:
 
 
 def deployments_cli() -> list[dict[str, Any]]:
+    from kvcd.host.run import CommandError, run
+
     try:
         out = run(["rpm-ostree", "status", "--json"], timeout=120).stdout
     except CommandError as exc:
@@ -177,6 +184,8 @@ def read_deployments(root: HostRoot, bus_address: str | None = None) -> list[Dep
 
 def next_boot(root: HostRoot, bus_address: str | None = None) -> NextBoot | None:
     """The next kernel of an rpm-ostree host; None when this is not one."""
+    from kvcd.host.bootloader import NextBoot
+
     if not is_ostree_host(root):
         return None
     try:

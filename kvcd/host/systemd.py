@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -184,6 +183,8 @@ class Notifier:
         if self.address is None or not assignments:
             return False
         payload = "\n".join(assignments).encode("utf-8", "replace")
+        import socket  # here: only the daemon notifies, the CLI verbs import this room too
+
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
                 sock.settimeout(_SEND_TIMEOUT)

@@ -8,7 +8,6 @@ safe, '-', and 10 hex digits of its SHA-256 (`kvcd status` shows the mapping). P
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
@@ -33,6 +32,8 @@ def stem(instance: str) -> str:
     """The instance's part of every key name: the name itself, or a safe prefix + hash."""
     if len(instance) <= STEM_MAX and valid_name(instance):
         return instance
+    import hashlib  # only for a name too long for a key
+
     digest = hashlib.sha256(instance.encode()).hexdigest()[:HASH_LEN]
     head = _UNSAFE.sub("-", instance)[: STEM_MAX - HASH_LEN - 1].strip("-_.")
     return f"{head}-{digest}" if head else f"i-{digest}"

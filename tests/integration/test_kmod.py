@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import kmod, modfiles, modtree
+from kvcd.host import kmod, modfiles, modtree, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import run
 from tests.integration.kmods import BuiltKmods, build_test_kmods, compiled_kmods_or_skip
@@ -268,11 +268,11 @@ def test_read_module_on_the_real_sys_module() -> None:
     names = sorted(p.name for p in root.sys_module.iterdir())
     assert names
     for name in names:
-        mod = kmod.read_module(root, name)
+        mod = sysmodule.read_module(root, name)
         assert mod is not None and mod.name == name
         if mod.initstate is None:
             assert mod.refcnt == 0
-    assert kmod.read_module(root, "kvcd_no_such_module") is None
+    assert sysmodule.read_module(root, "kvcd_no_such_module") is None
 
 
 @pytest.mark.skipif(

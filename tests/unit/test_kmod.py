@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import kmod, kmsg, modfiles, modtree
+from kvcd.host import kmod, kmsg, modfiles, modtree, sysmodule
 from kvcd.host.paths import HostRoot
 from tests.conftest import FakeCommands
 
@@ -68,8 +68,8 @@ def test_read_module_of_a_loaded_module(root: HostRoot) -> None:
     (base / "holders" / "kvcd_user").symlink_to("../../kvcd_user")
     (base / "parameters" / "write_only").mkdir()  # stands in for a 0200 file: reading fails
 
-    mod = kmod.read_module(root, "kvcd-base")
-    assert mod == kmod.LoadedModule(
+    mod = sysmodule.read_module(root, "kvcd-base")
+    assert mod == sysmodule.LoadedModule(
         name="kvcd_base",
         refcnt=1,
         holders=("kvcd_user",),
@@ -82,16 +82,16 @@ def test_read_module_of_a_loaded_module(root: HostRoot) -> None:
 
 def test_read_module_of_a_builtin_module(root: HostRoot) -> None:
     fake_sys_module(root, "printk", {"parameters/time": "Y\n"})
-    mod = kmod.read_module(root, "printk")
+    mod = sysmodule.read_module(root, "printk")
     assert mod is not None
     assert (mod.initstate, mod.refcnt, mod.holders, mod.version) == (None, 0, (), None)
     assert mod.params == {"time": "Y"}
 
 
 def test_read_module_absent(root: HostRoot) -> None:
-    assert kmod.read_module(root, "nosuch") is None
+    assert sysmodule.read_module(root, "nosuch") is None
     with pytest.raises(ValueError, match="invalid module name"):
-        kmod.read_module(root, "../etc")
+        sysmodule.read_module(root, "../etc")
 
 
 # --- the module root -----------------------------------------------------------------------

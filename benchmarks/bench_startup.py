@@ -1,0 +1,215 @@
+"""Start-up of the read-only verbs (issue #20): `kvcd status`, `check-config`, `capabilities`.
+
+Each verb is a fresh process, as an operator runs it, timed against bare interpreter start-up
+(`python -c pass`: the same interpreter, venv and environment, so the venv's own start-up is
+in both) run beside it: every round runs the peer and the verb back to back, in alternating
+order, so a busy machine slows both alike. Goal: each verb <= 2x the peer's median wall time.
+
+Also per verb: peak RSS, and what it imports beyond the peer (`python -X importtime`, the
+median of a few runs per module): the import time of the top-level imports, and the biggest
+cumulative entries (in the JSON's raw).
+
+Scratch roots (--root): status and check-config run on N instances, each with a recorded state
+and loaded modules in a fake /sys/module (the work `kvcd status` really does: config listing,
+state files, sysfs); check-config plans each instance for the recorded kernel. `capabilities`
+describes this machine (the real /: /proc, /sys, os-release), as an operator would run it.
+
+Usage: .venv/bin/python -m benchmarks.bench_startup [--instances N] [--runs R] [--tree DIR]
+    [--json FILE]
+--tree: the kvcd source tree to time (default: this one), e.g. an exported main, to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import ROOT, Figure, add_json_flag, report, summary, timed_run
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+K = "6.1.0-56-amd64"
+GOAL_RATIO = 2.0
+PEER = "python -c pass"
+# What the installed `kvcd` console script runs (no runpy, unlike `-m`), from any source tree.
+ENTRY = ["-c", "import sys; from kvcd.cli import main; sys.exit(main())"]
+
+
+def make_tree(base: Path, instances: int) -> HostRoot:
+    """A scratch root with `instances` instances, each recorded Done with its modules loaded."""
+    root = HostRoot(base)
+    fakehost.make_host(root, K)
+    for i in range(instances):
+        name = f"drv{i:03d}"
+        fakehost.write_config(
+            root,
+            name,
+            f'version = "1.{i}"\nmodules = ["{name}_a", "{name}_b"]\n[build]\ncontext = "/src"\n',
+        )
+        for m in (f"{name}_a", f"{name}_b"):
+            d = root.sys_module / m
+            (d / "holders").mkdir(parents=True)
+            (d / "refcnt").write_text("0\n")
+            (d / "initstate").write_text("live\n")
+        root.state_file(name).parent.mkdir(parents=True, exist_ok=True)
+        root.state_file(name).write_text(
+            json.dumps(
+                {
+                    "instance": name,
+                    "state": "Done",
+                    "version": f"1.{i}",
+                    "kernel": K,
+                    "goal": "loaded",
+                    "boot_id": "0b5e6c4e-0000-4000-8000-000000000001",
+                    "modules": [f"{name}_a", f"{name}_b"],
+                }
+            )
+        )
+    return root
+
+
+def verbs(tree: str, instances: int) -> dict[str, list[str]]:
+    """Figure name -> kvcd's arguments."""
+    return {
+        f"kvcd status, {instances} instances": ["--root", tree, "status"],
+        f"kvcd status --json, {instances} instances": ["--root", tree, "status", "--json"],
+        "kvcd check-config NAME": ["--root", tree, "check-config", "drv000"],
+        f"kvcd check-config --all, {instances} instances": [
+            "--root",
+            tree,
+            "check-config",
+            "--all",
+        ],
+        "kvcd capabilities (this machine)": ["capabilities"],
+    }
+
+
+_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
+
+
+def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:
+    """module -> (cumulative µs, depth) of one `python -X importtime` run."""
+    err = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stderr
+    found = {}
+    for line in err.splitlines():
+        m = _LINE.match(line.rstrip())
+        if m:
+            found[m.group(4)] = (int(m.group(2)), len(m.group(3)) // 2)
+    return found
+
+
+def imports(
+    argv: list[str], env: dict[str, str], cwd: str, runs: int
+) -> tuple[float, dict[str, object]]:
+    """What `argv` imports beyond `python -c pass`: the top-level imports' time (ms; nested
+    entries are inside their parent's cumulative figure), the module count, and the biggest
+    cumulative entries (median of `runs` runs each)."""
+    peer = set(_importtime(["-c", "pass"], env, cwd))
+    samples = [_importtime(argv, env, cwd) for _ in range(runs)]
+    names = [n for n in samples[0] if n not in peer]
+    cumulative = {n: statistics.median(s[n][0] for s in samples if n in s) for n in names}
+    depth = samples[0]
+    top_level = sum(us for n, us in cumulative.items() if depth[n][1] == 0)
+    biggest = sorted(names, key=lambda n: -cumulative[n])[:15]
+    return top_level / 1000, {
+        "ms": round(top_level / 1000, 1),
+        "modules": len(names),
+        "kvcd_modules": sorted(n for n in names if n == "kvcd" or n.startswith("kvcd.")),
+        "top": [
+            {"module": n, "cumulative_ms": round(cumulative[n] / 1000, 1), "depth": depth[n][1]}
+            for n in biggest
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--instances", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=20, help="rounds of each verb and its peer")
+    ap.add_argument("--importtime-runs", type=int, default=5)
+    ap.add_argument("--tree", type=Path, default=ROOT, help="kvcd source tree to time")
+    add_json_flag(ap)
+    args = ap.parse_args()
+    # The tree first on sys.path: it wins over the venv's editable install (a meta-path finder
+    # after the path finder). The peer gets the same environment. Every process runs in the
+    # scratch directory, not the checkout (`-c` puts the working directory first on sys.path).
+    env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
+    # Bytecode caches on, as an installed kvcd has them (an RPM ships the .pyc files): without
+    # them every run compiles every module it imports, which is not start-up but installation.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    quiet = args.json == "-"
+    figures: list[Figure] = []
+    per_verb: dict[str, object] = {}
+    raw = {"tree": str(args.tree), "instances": args.instances, "verbs": per_verb}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tree(Path(tmp), args.instances)
+        table = verbs(tmp, args.instances)
+        peer_argv = [sys.executable, "-c", "pass"]
+        for name, kvcd_args in table.items():
+            argv = [sys.executable, *ENTRY, *kvcd_args]
+            times: list[float] = []
+            peers: list[float] = []
+            peak = peer_peak = 0
+            timed_run(argv, env, tmp)  # warm the page cache and the .pyc files
+            for i in range(args.runs):
+                order = [(argv, times), (peer_argv, peers)]
+                for cmd, into in order if i % 2 else reversed(order):
+                    seconds, rss = timed_run(cmd, env, tmp)
+                    into.append(seconds)
+                    if cmd is argv:
+                        peak = max(peak, rss)
+                    else:
+                        peer_peak = max(peer_peak, rss)
+            ms, peer_ms = statistics.median(times) * 1000, statistics.median(peers) * 1000
+            imp_ms, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
+            ratio = ms / peer_ms
+            figures += [
+                Figure(
+                    f"{name} (median wall)",
+                    round(ms, 1),
+                    "ms",
+                    f"<= {GOAL_RATIO:g}x {PEER}",
+                    ratio <= GOAL_RATIO,
+                    PEER,
+                    round(ratio, 2),
+                ),
+                Figure(
+                    f"{name} (peak RSS)",
+                    round(peak / 1024, 1),
+                    "MiB",
+                    "",
+                    None,
+                    PEER,
+                    round(peak / peer_peak, 2),
+                ),
+                Figure(f"{name} (import time beyond {PEER})", round(imp_ms, 1), "ms", ""),
+            ]
+            per_verb[name] = {
+                "argv": kvcd_args,
+                "wall": summary(times),
+                "peer_wall": summary(peers),
+                "peer_ms": round(peer_ms, 1),
+                "imports": imp,
+            }
+            if not quiet:
+                print(f"  {name}: {summary(times)}; {PEER}: {summary(peers)}", file=sys.stderr)
+    report("startup", figures, args.json, raw)
+
+
+if __name__ == "__main__":
+    main()
