@@ -67,6 +67,7 @@ class Executor:
         self._podman: Podman | None = None
         self.on_step = on_step
         self.on_build_line = on_build_line
+        self._params_by_name: dict[str, tuple[tuple[str, str], ...]] | None = None
         self.fields = {
             "KVCD_INSTANCE": cfg.name,
             "KVCD_KERNEL": desired.kernel,
@@ -84,10 +85,11 @@ class Executor:
         log.log(level, msg, *args, extra={**self.fields, "MESSAGE_ID": message_id})
 
     def _params(self, name: str) -> tuple[tuple[str, str], ...]:
-        for m in self.cfg.modules:
-            if m.kernel_name == name:
-                return m.params
-        return ()
+        if self._params_by_name is None:  # a rollback asks per module: one scan, not one each
+            self._params_by_name = {}
+            for m in self.cfg.modules:
+                self._params_by_name.setdefault(m.kernel_name, m.params)
+        return self._params_by_name.get(name, ())
 
     # -- the loop ------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> None:
@@ -275,6 +277,7 @@ class Executor:
         by_name: dict[str, Path] = {}
         for path in found:
             by_name[path.name.split(".ko")[0].replace("-", "_")] = path
+        wanted = {m.kernel_name for m in self.cfg.modules}  # once: asked per file below (#20)
         missing = [m.kernel_name for m in self.cfg.modules if m.kernel_name not in by_name]
         if missing:
             raise StepFailed(
@@ -289,7 +292,7 @@ class Executor:
             except kmod.KmodError as exc:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
             vermagic = (_first(info, "vermagic") or "").split(" ")[0]
-            if name in {m.kernel_name for m in self.cfg.modules} and vermagic != a.kernel:
+            if name in wanted and vermagic != a.kernel:
                 raise StepFailed(
                     state.WRONG_KERNEL,
                     f"{path.name} in {a.tag} was built for {vermagic or 'an unknown kernel'}, "
