@@ -18,22 +18,30 @@ from kvcd.host.systemd import Notifier
 MODPROBE = r"""
 set -e
 sys="$FAKE_ROOT/sys/module"
-args=("$@"); name=""; base=/; kver=""; show=""
+args=("$@"); names=(); base=/; kver=""; show=""; all=""
 for ((i=0; i<${#args[@]}; i++)); do
   case "${args[$i]}" in
     -d) base="${args[$((i+1))]}"; i=$((i+1));;
     -S) kver="${args[$((i+1))]}"; i=$((i+1));;
     --show-depends) show=1;;
+    -a|--all) all=1;;
     -*) ;;
-    *) name="${args[$i]}"; break;;
+    *) names+=("${args[$i]}"); [ -n "$all" ] || break;;
   esac
 done
-if [ -n "$show" ]; then  # where the module tree resolves it, as the real one says
-  d="$base/lib/modules/$kver"
-  path=$(cd "$d" 2>/dev/null && find -L extra weak-updates -name "$name.ko" 2>/dev/null | head -1)
-  [ -n "$path" ] || { echo "modprobe: FATAL: Module $name not found in directory $d" >&2; exit 1; }
-  echo "insmod $d/${path#./}"
-  exit 0
+name="${names[0]}"
+if [ -n "$show" ]; then  # where the module tree resolves each, as the real one says
+  d="$base/lib/modules/$kver"; rc=0
+  for name in "${names[@]}"; do
+    path=$(cd "$d" 2>/dev/null && find -L extra weak-updates -name "$name.ko" 2>/dev/null | head -1)
+    if [ -z "$path" ]; then  # modprobe -a goes on to the next name
+      fatal="modprobe: FATAL: Module $name not found in directory $d"
+      [ -n "$all" ] || { echo "$fatal" >&2; exit 1; }
+      echo "modprobe: WARNING: Module $name not found in directory $d" >&2; rc=1; continue
+    fi
+    echo "insmod $d/${path#./}"
+  done
+  exit $rc
 fi
 if grep -qx "$name" "$FAKE_ROOT/fail-load" 2>/dev/null; then
   echo "modprobe: ERROR: could not insert '$name': Unknown symbol in module (see dmesg)" >&2

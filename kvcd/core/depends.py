@@ -5,7 +5,7 @@ Pure. The graph maps an instance to the instances it depends on (they load first
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 
 class DependencyError(Exception):
@@ -25,26 +25,39 @@ def load_order(graph: Mapping[str, Sequence[str]], roots: Sequence[str] | None =
     """
     order: list[str] = []
     done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> None:
-        if name in done:
-            return
-        if name in path:
-            chain = [*path[path.index(name) :], name]
-            raise DependencyError(f"dependency cycle: {' -> '.join(chain)}", chain)
-        if name not in graph:
-            chain = [*path, name]
-            raise DependencyError(
-                f"depends on {name!r}, which is not configured (chain {' -> '.join(chain)})",
-                chain,
-            )
-        for dep in graph[name]:
-            visit(dep, [*path, name])
-        done.add(name)
-        order.append(name)
-
+    # Depth first without recursion: a chain deeper than Python's recursion limit works, and no
+    # step copies or scans the path (#20: no step may cost the chain's depth per name).
     for root in roots if roots is not None else sorted(graph):
-        visit(root, [])
+        path: list[str] = []  # the names being visited, outermost first
+        on_path: set[str] = set()
+        pending: list[Iterator[str]] = []  # per name on the path: its dependencies to visit
+        name: str | None = None if root in done else root
+        while name is not None or pending:
+            if name is not None:
+                if name in on_path:
+                    chain = [*path[path.index(name) :], name]
+                    raise DependencyError(f"dependency cycle: {' -> '.join(chain)}", chain)
+                if name not in graph:
+                    chain = [*path, name]
+                    raise DependencyError(
+                        f"depends on {name!r}, which is not configured "
+                        f"(chain {' -> '.join(chain)})",
+                        chain,
+                    )
+                path.append(name)
+                on_path.add(name)
+                pending.append(iter(graph[name]))
+                name = None
+            for dep in pending[-1]:
+                if dep not in done:
+                    name = dep
+                    break
+            else:  # every dependency is in the order: this one goes next
+                pending.pop()
+                finished = path.pop()
+                on_path.remove(finished)
+                done.add(finished)
+                order.append(finished)
     return order
 
 

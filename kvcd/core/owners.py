@@ -25,13 +25,14 @@ def shared(
     """Each of `modules` that an instance in `others` (instance -> its modules) also has, once
     per other instance, in the order of `modules`, then of the others' names."""
     mine = list(dict.fromkeys(modules))
+    position = {m: i for i, m in enumerate(mine)}  # mine.index() per found module was quadratic
     out: list[Shared] = []
     for other in sorted(others):
         if other == instance:
             continue
         theirs = {kernel_name(m) for m in others[other]}
         out += [Shared(m, other) for m in mine if kernel_name(m) in theirs]
-    return sorted(out, key=lambda s: (mine.index(s.module), s.other))
+    return sorted(out, key=lambda s: (position[s.module], s.other))
 
 
 def describe(instance: str, found: Iterable[Shared]) -> str:

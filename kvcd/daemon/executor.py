@@ -67,6 +67,13 @@ class Executor:
         self._podman: Podman | None = None
         self.on_step = on_step
         self.on_build_line = on_build_line
+        self._params_by_name: dict[str, tuple[tuple[str, str], ...]] | None = None
+        # Where the module tree resolves each module about to be loaded: asked of modprobe once
+        # for all of them at the first load (one process, not one per module: #20), and asked
+        # again after anything changes the tree (an activation, a rollback's).
+        self._to_load: tuple[str, ...] = ()
+        self._resolved: dict[str, str | None] = {}
+        self._resolve_together = True
         self.fields = {
             "KVCD_INSTANCE": cfg.name,
             "KVCD_KERNEL": desired.kernel,
@@ -84,16 +91,18 @@ class Executor:
         log.log(level, msg, *args, extra={**self.fields, "MESSAGE_ID": message_id})
 
     def _params(self, name: str) -> tuple[tuple[str, str], ...]:
-        for m in self.cfg.modules:
-            if m.kernel_name == name:
-                return m.params
-        return ()
+        if self._params_by_name is None:  # a rollback asks per module: one scan, not one each
+            self._params_by_name = {}
+            for m in self.cfg.modules:
+                self._params_by_name.setdefault(m.kernel_name, m.params)
+        return self._params_by_name.get(name, ())
 
     # -- the loop ------------------------------------------------------------------------------
     def apply(self, plan: Plan) -> None:
         if plan.blocked:
             raise StepFailed(state.MODULE_IN_USE, plan.blocked)
         attempt = Attempt()
+        self._to_load = tuple(a.module for a in plan.actions if isinstance(a, act.Load))
         for action in plan.actions:
             self.on_step(action.describe())
             log.info("step: %s", action.describe(), extra=self.fields)
@@ -275,6 +284,7 @@ class Executor:
         by_name: dict[str, Path] = {}
         for path in found:
             by_name[path.name.split(".ko")[0].replace("-", "_")] = path
+        wanted = {m.kernel_name for m in self.cfg.modules}  # once: asked per file below (#20)
         missing = [m.kernel_name for m in self.cfg.modules if m.kernel_name not in by_name]
         if missing:
             raise StepFailed(
@@ -289,7 +299,7 @@ class Executor:
             except kmod.KmodError as exc:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
             vermagic = (_first(info, "vermagic") or "").split(" ")[0]
-            if name in {m.kernel_name for m in self.cfg.modules} and vermagic != a.kernel:
+            if name in wanted and vermagic != a.kernel:
                 raise StepFailed(
                     state.WRONG_KERNEL,
                     f"{path.name} in {a.tag} was built for {vermagic or 'an unknown kernel'}, "
@@ -330,6 +340,7 @@ class Executor:
         if not attempt.activated:
             attempt.previous_store = previous
             attempt.activated = True
+        self._tree_changed()
         try:
             kmod.depmod(self.root, a.kernel)
         except kmod.KmodError as exc:
@@ -349,8 +360,16 @@ class Executor:
         instance (or the system's updates/) provides a module of the same name, modprobe could
         load that one; kvcd would then see a foreign build loaded and unload and load it again
         and again. Say so instead."""
+        if name not in self._resolved and self._resolve_together:
+            names = [n for n in dict.fromkeys((name, *self._to_load)) if n not in self._resolved]
+            found = kmod.resolve_many(self.root, self.d.kernel, names)
+            self._resolve_together = found is not None  # else one by one, each its own error
+            self._resolved.update(found or {})
         try:
-            path = kmod.resolve(self.root, self.d.kernel, name)
+            if name in self._resolved:
+                path = self._resolved[name]
+            else:
+                path = kmod.resolve(self.root, self.d.kernel, name)
         except kmod.KmodError as exc:
             raise StepFailed(state.LOAD_FAILED, f"{name}: {exc}") from exc
         kdir = self.root.kernel_dir(self.d.kernel)
@@ -398,6 +417,10 @@ class Executor:
         for line in (done.stdout + done.stderr).splitlines():
             self.on_build_line(line)
 
+    def _tree_changed(self) -> None:
+        self._resolved.clear()
+        self._resolve_together = True
+
     # -- undo ----------------------------------------------------------------------------------
     def _rollback(self, attempt: Attempt) -> str:
         """Best effort: every undo step is tried; what could not be undone is reported."""
@@ -417,10 +440,12 @@ class Executor:
                     modtree.activate(
                         self.root, self.d.kernel, self.cfg.name, attempt.previous_store
                     )
+                self._tree_changed()
                 kmod.depmod(self.root, self.d.kernel)
                 done.append("module root restored")
             except (OSError, kmod.KmodError) as exc:
                 failed.append(f"restoring the module root: {exc}")
+        self._to_load = tuple(reversed(attempt.unloaded))
         for name in reversed(attempt.unloaded):  # unloaded in reverse, so this is load order
             try:
                 self._load(name, self._params(name))

@@ -272,6 +272,45 @@ def resolve(root: HostRoot, kernel: str, name: str) -> str | None:
     return "/" + last.lstrip("/")  # with -d / modprobe prints //lib/modules/…
 
 
+def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str, str | None] | None:
+    """:func:`resolve` for each of `names` with one process (``modprobe -a --show-depends``),
+    not one per module; None when that answer cannot be told apart per name (a name not found,
+    an install command, a line that is no module of the name's chain): ask :func:`resolve`
+    per name then, for its own error.
+
+    modprobe prints each name's chain in turn, dependencies first and the name itself last, so
+    the output splits at the first entry of each name in order.
+    """
+    if not names or not all(_NAME_RE.fullmatch(name) for name in names):
+        return None if names else {}
+    argv = [*_modprobe_base(root, kernel), "--dry-run", "--show-depends", "-a", *names]
+    try:
+        done = run(argv)
+    except CommandError:
+        return None
+    lines = [line.rstrip() for line in done.stdout.splitlines() if line.strip()]
+    entries = parse_show_depends(done.stdout)
+    if len(entries) != len(lines):  # e.g. "install …": no module file to judge by
+        return None
+    out: dict[str, str | None] = {}
+    at = 0
+    for name in names:
+        want = normalize(name)
+        while at < len(entries) and _entry_name(entries[at]) != want:
+            at += 1
+        if at == len(entries):
+            return None
+        entry = entries[at]
+        at += 1
+        out[name] = "/" + entry.lstrip("/") if "/" in entry else None
+    return out if at == len(entries) else None
+
+
+def _entry_name(entry: str) -> str:
+    """The module name of a --show-depends entry (a path, or a built-in's bare name)."""
+    return normalize(re.sub(r"\.ko(\.\w+)?$", "", entry.rsplit("/", 1)[-1]))
+
+
 def parse_show_depends(text: str) -> list[str]:
     """Parse `modprobe --show-depends` output (``insmod PATH [opts]`` / ``builtin NAME``)."""
     out: list[str] = []

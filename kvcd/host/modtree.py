@@ -185,7 +185,8 @@ def activate(root: HostRoot, kernel: str, instance: str, store_dir: Path) -> Pat
             before = installed_modules(link)
             _install(root, kernel, link, target)
             after = installed_modules(link)
-            _tell_weak_modules([p for p in before if p not in after], add=False)
+            kept = set(after)  # a list scan per module was quadratic in the module count (#20)
+            _tell_weak_modules([p for p in before if p not in kept], add=False)
             _tell_weak_modules(after, add=True)
         else:
             _replace_symlink(link, target)

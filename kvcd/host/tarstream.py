@@ -88,6 +88,7 @@ def extract_members(
     links, devices and fifos are never written (a matching one is skipped with a warning).
     Returns the written files in archive order."""
     written: list[Path] = []
+    seen: set[Path] = set()  # `target in written` was a scan per member: quadratic (#20)
     try:
         with tarfile.open(fileobj=archive, mode="r|*") as tar:
             for member in tar:
@@ -110,7 +111,8 @@ def extract_members(
                     os.fsync(out.fileno())
                 os.chmod(target, 0o644)
                 os.utime(target, (member.mtime, member.mtime))
-                if target not in written:
+                if target not in seen:
+                    seen.add(target)
                     written.append(target)
                 failpoint.hit("extract")
     except tarfile.TarError as exc:

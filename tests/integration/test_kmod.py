@@ -82,6 +82,10 @@ def test_show_depends_lists_base_then_user(tmp_path: Path, kmods: BuiltKmods) ->
         str(extra / "kvcd_user.ko"),
     ]
     assert kmod.show_depends(root, k, "kvcd-user") == kmod.show_depends(root, k, "kvcd_user")
+    # One real modprobe -a answers for both, as one modprobe per name does (#20).
+    names = ["kvcd_user", "kvcd-base"]
+    assert kmod.resolve_many(root, k, names) == {n: kmod.resolve(root, k, n) for n in names}
+    assert kmod.resolve_many(root, k, ["kvcd_base", "nosuch"]) is None
     assert "extra/demo/kvcd_user.ko: extra/demo/kvcd_base.ko" in (tree / "modules.dep").read_text()
     with pytest.raises(kmod.ModuleNotFound, match=r"module nosuch not found for kernel"):
         kmod.show_depends(root, k, "nosuch")

@@ -178,6 +178,18 @@ def test_a_module_that_resolves_to_another_file_is_not_loaded(
     assert not (host.sys_module / "kvcd_base").exists()
 
 
+def test_one_modprobe_resolves_every_module_of_a_load(host: HostRoot, fake_commands: Any) -> None:
+    """A start costs one process per module (its modprobe), plus one that asks where the tree
+    resolves them all (#20: it was one --show-depends per module)."""
+    assert instance(host, FakePodman(host, K)).apply("load").state == state.DONE
+    shows = [c for c in fake_commands.calls() if "--show-depends" in c]
+    assert [c[-3:] for c in shows] == [["-a", "kvcd_base", "kvcd_user"]]
+    assert modprobe_calls(fake_commands) == [
+        ["-d", str(host.module_root), "-S", K, "kvcd_base"],
+        ["-d", str(host.module_root), "-S", K, "kvcd_user", "greeting=hi"],
+    ]
+
+
 def test_second_load_touches_nothing_not_even_podman(host: HostRoot, fake_commands: Any) -> None:
     instance(host, FakePodman(host, K)).apply("load")
     before = len(fake_commands.calls())

@@ -575,3 +575,66 @@ def test_read_only_system_tree_says_what_to_do(
         f"cannot write {root.system_modules('6.1.0-56-amd64') / 'extra'}: Read-only file system"
     )
     assert "ReadWritePaths=/usr/lib/modules" in str(exc.value)
+
+
+RESOLVE_MANY = [
+    pytest.param(
+        "insmod {t}/kernel/lib/crc16.ko\nbuiltin crc32c_generic\ninsmod {t}/extra/d/kvcd_base.ko\n"
+        "insmod {t}/extra/d/kvcd_base.ko\ninsmod {t}/extra/d/kvcd-user.ko.xz greeting=hi\n",
+        ["kvcd_base", "kvcd_user"],
+        {"kvcd_base": "{t}/extra/d/kvcd_base.ko", "kvcd_user": "{t}/extra/d/kvcd-user.ko.xz"},
+        id="each-chain-in-turn",
+    ),
+    pytest.param(
+        "builtin crc32c_generic\ninsmod {t}/extra/d/kvcd_base.ko\n",
+        ["crc32c-generic", "kvcd_base"],
+        {"crc32c-generic": None, "kvcd_base": "{t}/extra/d/kvcd_base.ko"},
+        id="built-in",
+    ),
+    pytest.param(
+        "insmod {t}/extra/d/kvcd_base.ko\n", ["kvcd_base", "kvcd_user"], None, id="one-missing"
+    ),
+    pytest.param(
+        "install /bin/true\ninsmod {t}/extra/d/kvcd_user.ko\n",
+        ["kvcd_base", "kvcd_user"],
+        None,
+        id="an-install-command",
+    ),
+    pytest.param(
+        "insmod {t}/extra/d/kvcd_base.ko\ninsmod {t}/extra/d/other.ko\n",
+        ["kvcd_base"],
+        None,
+        id="something-after-the-last",
+    ),
+]
+
+
+@pytest.mark.parametrize(("out", "names", "want"), RESOLVE_MANY)
+def test_resolve_many_splits_one_modprobe_answer(
+    root: HostRoot,
+    fake_commands: FakeCommands,
+    out: str,
+    names: list[str],
+    want: dict[str, str | None] | None,
+) -> None:
+    """One process for every module of a load (#20); None whenever the answer cannot be split
+    per name, so the caller asks per name and gets that name's own error."""
+    tree = str(root.kernel_dir(K))
+    fake_commands.add("modprobe", f"cat <<'EOF'\n{out.format(t='/' + tree)}EOF\n")
+    found = kmod.resolve_many(root, K, names)
+    if want is None:
+        assert found is None
+    else:
+        assert found == {n: p.format(t=tree) if p else None for n, p in want.items()}
+    base = ["modprobe", "-d", str(root.module_root), "-S", K, "--dry-run", "--show-depends"]
+    assert fake_commands.calls() == [[*base, "-a", *names]]
+
+
+def test_resolve_many_when_modprobe_fails_or_a_name_is_bad(
+    root: HostRoot, fake_commands: FakeCommands
+) -> None:
+    fake_commands.add("modprobe", "echo 'modprobe: WARNING: Module x not found' >&2\nexit 1\n")
+    assert kmod.resolve_many(root, K, ["kvcd_base", "x"]) is None
+    assert kmod.resolve_many(root, K, ["kvcd_base", "a;b"]) is None
+    assert kmod.resolve_many(root, K, []) == {}
+    assert len(fake_commands.calls()) == 1

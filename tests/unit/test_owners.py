@@ -35,6 +35,13 @@ from tests.unit.test_instance import FakePodman, K, config, instance, instance_h
         (["a"], {"x": ["a"]}, []),
         (["a", "a"], {"y": ["a"]}, [("a", "y")]),
         ([], {"y": ["a"]}, []),
+        # many modules, shared with two others in reverse order: still in module order (#20)
+        (
+            [f"m{i:03d}" for i in range(600)],
+            {"z": [f"m{i:03d}" for i in range(599, -1, -2)], "y": ["m001", "m000"]},
+            [("m000", "y"), ("m001", "y"), ("m001", "z")]
+            + [(f"m{i:03d}", "z") for i in range(3, 600, 2)],
+        ),
     ],
     ids=[
         "alone",
@@ -46,6 +53,7 @@ from tests.unit.test_instance import FakePodman, K, config, instance, instance_h
         "itself",
         "listed-twice",
         "no-modules",
+        "many-modules",
     ],
 )
 def test_shared(mine: list[str], others: dict[str, list[str]], want: list[tuple[str, str]]) -> None:

@@ -203,6 +203,67 @@ def test_plan_load(why: str, observed: Observed, steps: list[object], rollback: 
     assert plan.rollback_to == rollback
 
 
+# One instance of many modules (issue #20: 500 modules load in order with no quadratic step):
+# the same rules, each module in config order, whatever its position.
+MANY = tuple(f"m{i:04d}" for i in range(600))
+D_MANY = Desired(
+    instance="big",
+    version="2.0",
+    kernel=K,
+    modules=tuple(ModuleSpec(m) for m in MANY),
+    image_tag=TAG,
+    path_in_image=f"/lib/modules/{K}/",
+    build_context="/src",
+)
+STORED_MANY = {m: f"{m}-new" for m in MANY}
+EVEN = {m: ModState(srcversion=f"{m}-new") for m in MANY[::2]}
+ACTIVE = {"stored": frozenset({"2.0"}), "active": "2.0", "depmod_current": True}
+MANY_TABLE = [
+    (
+        "every other module loaded: load the others, in config order",
+        obs(loaded=EVEN, stored_srcversion=STORED_MANY, **ACTIVE),
+        [*(Load(m) for m in MANY[1::2]), Verify(MANY, True)],
+        None,
+    ),
+    (
+        "all loaded and matching: verify only",
+        obs(
+            loaded={m: ModState(srcversion=f"{m}-new") for m in MANY},
+            stored_srcversion=STORED_MANY,
+            **ACTIVE,
+        ),
+        [Verify(MANY, True)],
+        None,
+    ),
+    (
+        "one foreign build in the middle: out with every loaded one in reverse, all in again",
+        obs(
+            loaded={**EVEN, MANY[300]: ModState(srcversion="foreign")},
+            stored_srcversion=STORED_MANY,
+            **ACTIVE,
+        ),
+        [
+            *(Unload(m) for m in reversed(MANY) if m in EVEN or m == MANY[300]),
+            *(Load(m) for m in MANY),
+            Verify(MANY, True),
+        ],
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "observed", "steps", "rollback"), MANY_TABLE, ids=[r[0] for r in MANY_TABLE]
+)
+def test_plan_load_many_modules(
+    why: str, observed: Observed, steps: list[object], rollback: str | None
+) -> None:
+    plan = plan_load(D_MANY, observed)
+    assert plan.blocked is None
+    assert list(plan.actions) == steps
+    assert plan.rollback_to == rollback
+
+
 def test_pull_first_then_build() -> None:
     d = Desired(**{**D.__dict__, "pull_ref": "quay.example/drv:2.0-" + K})
     assert plan_load(d, obs()).actions[0] == AcquireImage(TAG, "quay.example/drv:2.0-" + K, "/src")
