@@ -19,7 +19,7 @@ from typing import ClassVar
 from kvcd.host import failpoint, files, kmsg
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError, run
-from kvcd.host.sysmodule import check_name, read_module
+from kvcd.host.sysmodule import check_name, is_name, normalize, read_module
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str,
     modprobe prints each name's chain in turn, dependencies first and the name itself last, so
     the output splits at the first entry of each name in order.
     """
-    if not names or not all(_NAME_RE.fullmatch(name) for name in names):
+    if not names or not all(is_name(name) for name in names):
         return None if names else {}
     argv = [*_modprobe_base(root, kernel), "--dry-run", "--show-depends", "-a", *names]
     try:

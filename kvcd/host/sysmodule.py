@@ -22,8 +22,13 @@ def normalize(name: str) -> str:
     return name.replace("-", "_")
 
 
+def is_name(value: str) -> bool:
+    """A module, instance or kernel name kvcd accepts (no path, no option)."""
+    return _NAME_RE.fullmatch(value) is not None
+
+
 def check_name(what: str, value: str) -> str:
-    if not _NAME_RE.fullmatch(value):
+    if not is_name(value):
         raise ValueError(f"invalid {what}: {value!r}")
     return value
 
