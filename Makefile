@@ -6,6 +6,7 @@
 #                    and integration tests (real podman, gcc, depmod, rpmbuild on this machine)
 #   make lint        ruff, mypy --strict, import-linter
 #   make rpm         build the RPMs into out/rpm and rpmlint them
+#   make bench       the host benchmarks (quick runs): one table of figures, goals, ratios to peers
 #   make e2e         build/reuse the guest; every guest step (core, every scenario file, reboot),
 #                    in two guests side by side
 #   make e2e-full    the same steps in one guest, in order
@@ -21,7 +22,7 @@ PYTHON ?= $(VENV)/python
 E2E_CACHE ?= $(or $(KVCD_E2E_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvcd-e2e)
 PY_DIRS := kvcd tests benchmarks
 
-.PHONY: setup check lint test rpm e2e e2e-full e2e-harness e2e-smoke e2e-guest demo e2e-clean
+.PHONY: setup check lint test bench rpm e2e e2e-full e2e-harness e2e-smoke e2e-guest demo e2e-clean
 
 setup:
 	scripts/setup.sh
@@ -45,6 +46,11 @@ lint: setup
 # pytest exits 5 when it collected nothing; make treats that as the failure it is.
 test: setup
 	$(PYTHON) -m pytest tests/unit tests/docs tests/integration
+
+# The host benchmarks, quick runs, one table (out/bench/figures.md); BENCH_ARGS=--full for the
+# long runs. The guest's figures: results/perf-table.md of `make e2e` (scenarios_perf).
+bench: setup
+	$(PYTHON) -m benchmarks $(BENCH_ARGS)
 
 rpm: setup
 	scripts/build-rpm.sh --lint
