@@ -7,8 +7,10 @@
 - matching: `decide()` over 64 variants x 12 capabilities (pure).
 
 `kvcd capabilities` as a fresh process against bare interpreter start-up: bench_startup.py.
+No goal is named for these (issue #7 asked for the figures and the peers' ratios).
 
-Usage: .venv/bin/python -m benchmarks.bench_capabilities [--runs N]
+Usage: .venv/bin/python -m benchmarks.bench_capabilities [--runs N] [--json FILE]
+--runs: timed calls of each (median); quick: --runs 10.
 """
 
 from __future__ import annotations
@@ -17,15 +19,18 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
-from benchmarks.common import summary, timed_calls
+from benchmarks.common import Figure, add_json_flag, report, summary, timed_calls
 from kvcd.core.capabilities import decide
 from kvcd.host import devices, discover
 from kvcd.host.netlink import list_links
 from kvcd.host.paths import HostRoot
 
 REAL = HostRoot(Path("/"))
+PYUDEV = "pyudev"
+IP_LINK = "`ip -j -d link` + parse"
 
 
 def ip_json_links() -> list[dict[str, object]]:
@@ -33,39 +38,24 @@ def ip_json_links() -> list[dict[str, object]]:
     return list(json.loads(p.stdout))
 
 
-def line(
-    name: str, times: list[float], peer: list[float] | None = None, peer_name: str = ""
-) -> None:
-    text = f"{name:<34} {summary(times)}"
-    if peer is not None:
-        ratio = statistics.median(times) / statistics.median(peer)
-        text += f"   {ratio:.2f}x {peer_name}"
-    print(text)
+def median_ms(times: list[float]) -> float:
+    return round(statistics.median(times) * 1000, 3)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=50)
-    runs = ap.parse_args().runs
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=50, help="timed calls of each (median)")
+    add_json_flag(ap)
+    args = ap.parse_args(argv)
+    runs = args.runs
 
     caps = discover.discover(REAL)
-    print(
-        f"node: {len(caps)} capabilities, {len(caps.get('cpu_flags', ()))} cpu flags, "
-        f"{len(caps.get('pci_devices', ()))} PCI devices"
-    )
-    line("discover() (all capabilities)", timed_calls(lambda: discover.discover(REAL), runs))
-
-    sysfs = timed_calls(lambda: devices.scan_sysfs(REAL), runs)
-    udev = timed_calls(devices.scan_udev, runs)
-    print(f"devices with a modalias: {len(devices.scan_sysfs(REAL))}")
-    line("devices: sysfs walk", sysfs, udev, "of pyudev")
-    line("devices: pyudev", udev)
-
-    nl = timed_calls(lambda: list_links(REAL), runs)
-    ipj = timed_calls(ip_json_links, runs)
-    print(f"links: {len(list_links(REAL))}")
-    line("links: pyroute2 list_links()", nl, ipj, "of `ip -j -d link`")
-    line("links: `ip -j -d link` + parse", ipj)
+    times: dict[str, list[float]] = {}
+    times["discover() (all capabilities)"] = timed_calls(lambda: discover.discover(REAL), runs)
+    times["devices: sysfs walk"] = timed_calls(lambda: devices.scan_sysfs(REAL), runs)
+    times["devices: pyudev"] = timed_calls(devices.scan_udev, runs)
+    times["links: pyroute2 list_links()"] = timed_calls(lambda: list_links(REAL), runs)
+    times[f"links: {IP_LINK}"] = timed_calls(ip_json_links, runs)
 
     table = {f"c{i}": [f"v{j}" for j in range(4)] for i in range(12)}
     variants = [
@@ -73,9 +63,39 @@ def main() -> None:
         for k in range(64)
     ]
     node = {f"c{i}": ["v0", "v1", "v2"] for i in range(12)}
-    line(
-        "decide(): 64 variants x 12 caps", timed_calls(lambda: decide(node, variants, table), runs)
+    times["decide(): 64 variants x 12 caps"] = timed_calls(
+        lambda: decide(node, variants, table), runs
     )
+
+    # name -> (peer's label, the peer's entry in `times`)
+    peers = {
+        "devices: sysfs walk": (PYUDEV, "devices: pyudev"),
+        "links: pyroute2 list_links()": (IP_LINK, f"links: {IP_LINK}"),
+    }
+    figures: list[Figure] = []
+    for name, ts in times.items():
+        peer, ratio = "", None
+        if name in peers:
+            peer, of = peers[name]
+            ratio = round(statistics.median(ts) / statistics.median(times[of]), 2)
+        figures.append(Figure(f"{name} (median)", median_ms(ts), "ms", "", None, peer, ratio))
+    node_info = {
+        "capabilities": len(caps),
+        "cpu_flags": len(caps.get("cpu_flags", ())),
+        "pci_devices": len(caps.get("pci_devices", ())),
+        "devices_with_modalias": len(devices.scan_sysfs(REAL)),
+        "links": len(list_links(REAL)),
+    }
+    if args.json != "-":
+        print(", ".join(f"{k} {v}" for k, v in node_info.items()), file=sys.stderr)
+        for name, ts in times.items():
+            print(f"  {name}: {summary(ts)}", file=sys.stderr)
+    raw = {
+        "runs": runs,
+        "node": node_info,
+        "ms": {name: [round(t * 1000, 3) for t in ts] for name, ts in times.items()},
+    }
+    report("capabilities", figures, args.json, raw)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ included). Each case also checks that both methods reach the same verdict.
 Cases: the test modules (tests/kmods) built for the newest installed 6.1 headers (A), checked
 against A and against the oldest other installed 6.1 headers (B) when there is one; with --real,
 also Debian's own mlx5_core.ko (606 symbols; the unpacked linux-image of A, see bench_extract).
-Usage: .venv/bin/python -m benchmarks.bench_kabi [--runs N] [--real]
+Figures per case and layout: kvcd in-process and as a process, each with its ratio to the
+weak-modules method (< 1: kvcd faster), the method's own time, and whether the three verdicts
+agree (the one goal: the same verdict as weak-modules). The processes run with bytecode caches on
+(an installed kvcd has its .pyc files), after one untimed run.
+
+Usage: .venv/bin/python -m benchmarks.bench_kabi [--runs N] [--real] [--json FILE]
+--runs: timed runs of each method per case (median); quick: --runs 5.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, Figure, add_json_flag, report
 from kvcd.daemon.kabi import check_modules
 from kvcd.host.paths import HostRoot
 from tests.integration.kmods import build_test_kmods
@@ -57,6 +63,7 @@ KVCD_STANDIN = (
     "from kvcd.host.paths import HostRoot; "
     "sys.exit(kabi_command(HostRoot(Path(sys.argv[1])), sys.argv[2], sys.argv[3], False))"
 )
+PEER = "weak-modules method"
 
 
 @dataclass(frozen=True)
@@ -95,12 +102,15 @@ def kvcd_argv(root: Path, module: Path, kernel: str) -> list[str]:
 
 
 def time_process(argv: list[str], runs: int, env: dict[str, str]) -> tuple[list[float], int]:
-    """Wall seconds of each run and the exit code (0 compatible, 1 incompatible; else abort)."""
-    times, rcs = [], set()
-    for _ in range(runs):
+    """Wall seconds of each run and the exit code (0 compatible, 1 incompatible; else abort),
+    after one untimed run (page cache and bytecode caches warm)."""
+    times: list[float] = []
+    rcs = set()
+    for i in range(runs + 1):
         t0 = time.perf_counter()
         done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-        times.append(time.perf_counter() - t0)
+        if i:
+            times.append(time.perf_counter() - t0)
         if done.returncode not in (0, 1):
             sys.exit(f"benchmark command failed ({done.returncode}): {argv}\n{done.stderr}")
         rcs.add(done.returncode)
@@ -135,11 +145,12 @@ def med(times: list[float]) -> float:
     return statistics.median(times) * 1000
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--real", action="store_true", help="also Debian's mlx5_core.ko")
-    args = ap.parse_args()
+    add_json_flag(ap)
+    args = ap.parse_args(argv)
     for tool in ("modprobe", "bash", "sort", "comm", "cut", "zcat"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is not installed")
@@ -160,7 +171,11 @@ def main() -> None:
             cases.append(Case(f"mlx5_core.ko ({a}) vs {b}", mlx5, b))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C"}
-    ratios: list[tuple[str, float, float]] = []
+    # Bytecode caches on, as an installed kvcd has them: without them every `kvcd kabi` run
+    # compiles every module it imports (this environment sets PYTHONDONTWRITEBYTECODE).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    figures: list[Figure] = []
+    raw: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             for layout in ("debian", "rhel"):
@@ -179,20 +194,52 @@ def main() -> None:
                     args.runs,
                     env,
                 )
-                verdicts = {v_in, v_proc, v_weak}
+                agree = len({v_in, v_proc, v_weak}) == 1
                 verdict = "compatible" if v_weak == 0 else "incompatible"
-                agree = "agree" if len(verdicts) == 1 else f"DISAGREE {v_in}/{v_proc}/{v_weak}"
-                print(f"{case.label} [{layout}]: {verdict}, methods {agree}")
-                print(f"  kvcd in-process (warm)   median {med(inproc):7.1f} ms")
-                print(f"  kvcd kabi process        median {med(proc):7.1f} ms")
-                print(f"  weak-modules method      median {med(weak):7.1f} ms")
-                ratios.append((f"{case.label} [{layout}]", med(weak) / med(inproc),
-                               med(weak) / med(proc)))  # fmt: skip
-    print(
-        f"\nratio weak-modules method / kvcd (median of {args.runs} runs each; >1 = kvcd faster):"
-    )
-    for label, r_in, r_proc in ratios:
-        print(f"  {label}: {r_in:.2f}x vs in-process, {r_proc:.2f}x vs a kvcd process")
+                label = f"{case.label} [{layout}]"
+                figures += [
+                    Figure(
+                        f"kABI {label}: kvcd in-process, warm (median)",
+                        round(med(inproc), 2),
+                        "ms",
+                        "",
+                        None,
+                        PEER,
+                        round(med(inproc) / med(weak), 3),
+                    ),
+                    Figure(
+                        f"kABI {label}: kvcd kabi process (median)",
+                        round(med(proc), 1),
+                        "ms",
+                        "",
+                        None,
+                        PEER,
+                        round(med(proc) / med(weak), 3),
+                    ),
+                    Figure(f"kABI {label}: {PEER} (median)", round(med(weak), 1), "ms", ""),
+                    Figure(
+                        f"kABI {label}: verdicts agree ({verdict} by the {PEER})",
+                        float(agree),
+                        "bool",
+                        f"kvcd's verdicts = the {PEER}'s",
+                        agree,
+                    ),
+                ]
+                raw.append(
+                    {
+                        "case": case.label,
+                        "layout": layout,
+                        "module": str(case.module),
+                        "kernel": case.kernel,
+                        "verdicts": {"in_process": v_in, "process": v_proc, "weak_modules": v_weak},
+                        "ms": {
+                            "in_process": [round(t * 1000, 3) for t in inproc],
+                            "process": [round(t * 1000, 3) for t in proc],
+                            "weak_modules": [round(t * 1000, 3) for t in weak],
+                        },
+                    }
+                )
+    report("kabi", figures, args.json, {"runs": args.runs, "cases": raw})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,12 @@
    (scripts/build-test-kmods.sh: `make -C /usr/src/linux-headers-<k> M=…`, what a driver
    container's build step does, without podman's own overhead, so the ratio is a lower bound).
 
-Usage: .venv/bin/python -m benchmarks.bench_nextkernel [--runs N]
+No goal is named for these; the build is the peer of the weak-updates preparation (its ratio:
+weak-updates / build).
+
+Usage: .venv/bin/python -m benchmarks.bench_nextkernel [--runs N] [--json FILE]
+--runs: detection calls (median); preparation runs max(5, N/2) times, the build max(2, N/10)
+times (seconds each); quick: --runs 6 (detection 6, preparation 5, build 2).
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import argparse
 import gzip
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, summary, timed_calls
+from benchmarks.common import ROOT, Figure, add_json_flag, report, summary, timed_calls
 from kvcd.config.model import InstanceConfig, ModuleSpec, Settings
 from kvcd.daemon import ahead, store
 from kvcd.host import bootloader
@@ -34,6 +40,8 @@ from kvcd.host.run import run
 from tests.integration.kmods import build_test_kmods
 
 B = "6.1.0-9001-amd64"
+BUILD = "compile the same modules (make -C <headers> M=<dir>)"
+WEAK = "prepare the next kernel with weak-updates"
 
 
 def rhel_boot(root: HostRoot, entries: int) -> None:
@@ -50,19 +58,22 @@ def rhel_boot(root: HostRoot, entries: int) -> None:
     root("/boot/grub2/grubenv").write_text(head + "#" * (1024 - len(head)))
 
 
-def detection(tmp: Path, runs: int) -> None:
+def detection(tmp: Path, runs: int) -> dict[str, list[float]]:
+    """Figure name -> wall seconds of each `next_boot` call."""
+    out: dict[str, list[float]] = {}
     for n in (3, 30):
         root = HostRoot(tmp / f"rhel{n}")
         rhel_boot(root, n)
         assert bootloader.next_boot(root, use_grubby=False).source == "grubenv"
-        times = timed_calls(partial(bootloader.next_boot, root, use_grubby=False), runs)
-        print(f"detect, {n:2d} BLS entries + grubenv: {summary(times)}")
+        out[f"detect, {n} BLS entries + grubenv"] = timed_calls(
+            partial(bootloader.next_boot, root, use_grubby=False), runs
+        )
     root = HostRoot(tmp / "debian")
     root("/boot").mkdir(parents=True)
     root("/vmlinuz").symlink_to("boot/vmlinuz-6.1.0-56-amd64")
     assert bootloader.next_boot(root).source == "vmlinuz"
-    times = timed_calls(lambda: bootloader.next_boot(root), runs)
-    print(f"detect, Debian /vmlinuz link:        {summary(times)}")
+    out["detect, Debian /vmlinuz link"] = timed_calls(lambda: bootloader.next_boot(root), runs)
+    return out
 
 
 def weak_root(tmp: Path, built: Any, i: int) -> HostRoot:
@@ -82,7 +93,8 @@ def weak_root(tmp: Path, built: Any, i: int) -> HostRoot:
     return root
 
 
-def preparation(tmp: Path, runs: int) -> None:
+def preparation(tmp: Path, runs: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of each weak-updates preparation, and of each build it replaces."""
     built = build_test_kmods("1.0")
     cfg = InstanceConfig(
         name="demo",
@@ -109,19 +121,42 @@ def preparation(tmp: Path, runs: int) -> None:
         t0 = time.perf_counter()
         run([str(ROOT / "scripts/build-test-kmods.sh"), built.kernel, str(out_dir), "1.0"])
         builds.append(time.perf_counter() - t0)
-    print(f"prepare next kernel with weak-updates: {summary(weak)}")
-    print(f"compile the same modules for it:       {summary(builds)}")
-    ratio = statistics.median(builds) / statistics.median(weak)
-    print(f"ratio build / weak-updates (median):   {ratio:.0f}x")
+    return weak, builds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
-    args = ap.parse_args()
+    add_json_flag(ap)
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvcd-bench-nk.") as tmp:
-        detection(Path(tmp), args.runs)
-        preparation(Path(tmp), max(5, args.runs // 2))
+        detect = detection(Path(tmp), args.runs)
+        weak, builds = preparation(Path(tmp), max(5, args.runs // 2))
+    figures = [
+        Figure(f"{name} (median)", round(statistics.median(ts) * 1000, 3), "ms", "")
+        for name, ts in detect.items()
+    ]
+    weak_ms = statistics.median(weak) * 1000
+    build_ms = statistics.median(builds) * 1000
+    figures += [
+        Figure(
+            f"{WEAK} (median)",
+            round(weak_ms, 1),
+            "ms",
+            "",
+            None,
+            BUILD,
+            round(weak_ms / build_ms, 4),
+        ),
+        Figure(f"{BUILD} (median, n={len(builds)})", round(build_ms), "ms", ""),
+    ]
+    times = {**detect, WEAK: weak, BUILD: builds}
+    if args.json != "-":
+        for name, ts in times.items():
+            print(f"  {name}: {summary(ts)}", file=sys.stderr)
+        print(f"  build / weak-updates (median): {build_ms / weak_ms:.0f}x", file=sys.stderr)
+    raw = {"ms": {name: [round(t * 1000, 3) for t in ts] for name, ts in times.items()}}
+    report("nextkernel", figures, args.json, raw)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,13 @@ Each writer process publishes W state changes of its instance through NodeWriter
 (flock + atomic replace, the daemon's path), all starting at once. Reported: writes per second
 and lost updates (each writer also bumps its own counter key by read-modify-write, so a lost
 update shows as a counter below W). The peer method is the same burst without the lock (plain
-read, modify, atomic replace): faster per write, and it loses updates.
-Usage: .venv/bin/python -m benchmarks.bench_node [--instances N] [--writes W]
+read, modify, atomic replace): faster per write, and it loses updates. Goal (issue #6): zero
+lost updates with kvcd's method.
+
+Usage: .venv/bin/python -m benchmarks.bench_node [--instances N] [--writes W] [--runs R]
+    [--json FILE]
+--runs: bursts per method (the best rate is the figure; lost updates: the worst burst);
+quick: --runs 1.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, Figure, add_json_flag, report
+
+KVCD = "kvcd (flock + atomic replace)"
+PEER = "no lock (read, modify, atomic replace)"
 
 WRITER = r"""
 import sys, json
@@ -84,25 +92,62 @@ def burst(instances: int, writes: int, mode: str) -> tuple[float, int, int]:
         return dt, instances * writes * 2, lost
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", type=int, default=20)
     ap.add_argument("--writes", type=int, default=50)
     ap.add_argument("--runs", type=int, default=3)
-    a = ap.parse_args()
-    print(f"{a.instances} writer processes x {a.writes} state changes, one node.json")
-    results = {}
+    add_json_flag(ap)
+    a = ap.parse_args(argv)
+    rates: dict[str, list[float]] = {}
+    losses: dict[str, list[int]] = {}
     for mode in ("locked", "unlocked"):
-        rates, losses = [], []
+        rates[mode], losses[mode] = [], []
         for _ in range(a.runs):
             dt, n, lost = burst(a.instances, a.writes, mode)
-            rates.append(n / dt)
-            losses.append(lost)
-        best = max(rates)
-        results[mode] = best
-        label = "kvcd (flock + atomic replace)" if mode == "locked" else "peer: no lock"
-        print(f"  {label:32s} {best:8.0f} writes/s (best of {a.runs}), lost updates {losses}")
-    print(f"  ratio kvcd/peer: {results['locked'] / results['unlocked']:.2f}x")
+            rates[mode].append(n / dt)
+            losses[mode].append(lost)
+    best = {mode: max(r) for mode, r in rates.items()}
+    what = f"{a.instances} writers x {a.writes} changes"
+    lost = max(losses["locked"])
+    figures = [
+        Figure(
+            f"node.json writes/s, {KVCD}, {what} (best of {a.runs})",
+            round(best["locked"]),
+            "writes/s",
+            "",
+            None,
+            PEER,
+            round(best["locked"] / best["unlocked"], 2),
+        ),
+        Figure(
+            f"node.json lost updates, {KVCD}, {what} (worst of {a.runs})",
+            lost,
+            "updates",
+            "0",
+            lost == 0,
+        ),
+        Figure(
+            f"node.json writes/s, peer: {PEER} (best of {a.runs})",
+            round(best["unlocked"]),
+            "writes/s",
+            "",
+        ),
+        Figure(
+            f"node.json lost updates, peer: {PEER} (worst of {a.runs})",
+            max(losses["unlocked"]),
+            "updates",
+            "",
+        ),
+    ]
+    raw = {
+        "instances": a.instances,
+        "writes": a.writes,
+        "node_writes_per_burst": a.instances * a.writes * 2,
+        "writes_per_s": {m: [round(r) for r in rs] for m, rs in rates.items()},
+        "lost": losses,
+    }
+    report("node", figures, a.json, raw)
 
 
 if __name__ == "__main__":
