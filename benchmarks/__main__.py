@@ -27,6 +27,13 @@ BENCHES: list[tuple[str, list[str]]] = [
     ("bench_startup", ["--runs", "10"]),
     ("bench_drift", ["--writes", "100", "--idle", "10"]),
     ("bench_scale", []),
+    ("bench_check_config", []),
+    ("bench_capabilities", ["--runs", "10"]),
+    ("bench_kabi", ["--runs", "5"]),
+    ("bench_nextkernel", ["--runs", "6"]),
+    ("bench_node", ["--runs", "2"]),
+    ("bench_extract", ["--runs", "3"]),  # podman
+    ("bench_soak", ["--cycles", "30"]),  # podman; --full: 1,000 cycles, ~20 min
 ]
 
 
