@@ -53,8 +53,14 @@ STATUS_EXTRA = (
     "kvcd.daemon.executor",
 )
 # Nor, for configs without capabilities, variants, device gating, links or depends_on, their
-# parser and its dataclasses: `kvcd status` parses every config for its links line.
-STATUS_CONFIG = ("kvcd.config.capsconf", "kvcd.core.capabilities")
+# parser and its dataclasses (`kvcd status` parses every config for its links line); nor,
+# without a pid file, the proof that a process is kvcd@NAME.
+STATUS_CONFIG = (
+    "kvcd.config.capsconf",
+    "kvcd.core.capabilities",
+    "kvcd.daemon.control",
+    "kvcd.host.procs",
+)
 
 # argv after `--root ROOT` -> exit code -> modules that must not be imported
 TABLE = [
