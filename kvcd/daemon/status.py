@@ -16,8 +16,8 @@ from kvcd.config.model import ConfigError, Settings
 from kvcd.core import attempts, state
 from kvcd.daemon.record import Record, boot_id, recorded_names, unsaved
 from kvcd.host import files, pylibs, sysmodule
+from kvcd.host.ostreemark import is_ostree_host
 from kvcd.host.paths import HostRoot
-from kvcd.host.rpmostree import is_ostree_host
 from kvcd.node.keys import stem
 
 

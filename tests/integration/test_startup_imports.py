@@ -60,6 +60,7 @@ STATUS_CONFIG = (
     "kvcd.core.capabilities",
     "kvcd.daemon.control",
     "kvcd.host.procs",
+    "kvcd.host.rpmostree",  # the scratch root is an rpm-ostree host: status asks only its marker
 )
 
 # argv after `--root ROOT` -> exit code -> modules that must not be imported
