@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcd.config import capsconf, rules
+from kvcd.config import rules
 from kvcd.config.model import (
     BuildSource,
     ConfigError,
@@ -68,6 +68,8 @@ def load_instance(root: ConfigLocations, name: str) -> InstanceConfig:
     is a ConfigError naming the chain."""
     config = _load_instance(root, name)
     if config.depends_on:
+        from kvcd.config import capsconf  # only then: `kvcd status` parses every config
+
         capsconf.check_dependencies(root, config, _load_instance)
     return config
 
@@ -224,6 +226,8 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
             except rules.Invalid as exc:
                 raise fail(str(exc), key) from None
     if "node_capabilities" in data:
+        from kvcd.config import capsconf
+
         values["node_capabilities"] = capsconf.capability_set(
             data["node_capabilities"], fail, ("node_capabilities",), "node_capabilities"
         )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvcd.core.capabilities import LinkSpec
-from kvcd.core.types import ModuleSpec
+from kvcd.core.modulespec import ModuleSpec
+
+if TYPE_CHECKING:
+    from kvcd.core.capabilities import LinkSpec
 
 __all__ = [
     "BuildSource",
@@ -19,6 +21,17 @@ __all__ = [
     "Variant",
     "tag_safe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """LinkSpec on first use: only a config with expect_links needs kvcd.core.capabilities, and
+    `kvcd status` parses every config (issue #20)."""
+    if name == "LinkSpec":
+        from kvcd.core.capabilities import LinkSpec
+
+        return LinkSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # A capability set (GEP-33): capability name -> values, as a hashable tuple of pairs.
 Capabilities = tuple[tuple[str, tuple[str, ...]], ...]

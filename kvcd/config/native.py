@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvcd.config import capsconf, rules
+from kvcd.config import rules
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec
 from kvcd.config.tomlsrc import KeyLines, decode
 from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
@@ -105,7 +105,10 @@ class TomlInstance:
             )
         values.update(self.node_keys(data))
 
-        values.update(capsconf.parse(self, data))
+        if not rules.CAPSCONF_KEYS.isdisjoint(data):  # only then: `kvcd status` parses every config
+            from kvcd.config import capsconf
+
+            values.update(capsconf.parse(self, data))
         params = self.params(data.get("params", {}), names)
         return InstanceConfig(
             name=self.name,

@@ -62,6 +62,18 @@ TOP_KEYS = (
     "depends_on",
     "kabi",
 )
+# The keys kvcd/config/capsconf.py reads: a config without any of them never imports it.
+CAPSCONF_KEYS = frozenset(
+    (
+        "capabilities",
+        "variants",
+        "requires_device",
+        "unload_on_device_removal",
+        "expect_links",
+        "expect_links_timeout",
+        "depends_on",
+    )
+)
 KABI_MODES = ("weak-updates-first", "rebuild")
 BUILD_KEYS = ("context", "containerfile", "args")
 SETTINGS_KEYS = (

@@ -5,18 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvcd.core.modulespec import ModuleSpec
 
-@dataclass(frozen=True)
-class ModuleSpec:
-    """One kernel module of an instance, in load order, with its parameters."""
-
-    name: str
-    params: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def kernel_name(self) -> str:
-        """The name the kernel uses in /sys/module (dashes become underscores)."""
-        return self.name.replace("-", "_")
+__all__ = ["Desired", "ModState", "ModuleSpec", "Observed"]
 
 
 @dataclass(frozen=True)

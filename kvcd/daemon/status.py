@@ -5,18 +5,19 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvcd.config.loader import list_instances, load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import attempts, state
-from kvcd.daemon.control import daemon_pid
 from kvcd.daemon.record import Record, boot_id, recorded_names, unsaved
 from kvcd.host import files, pylibs, sysmodule
+from kvcd.host.ostreemark import is_ostree_host
 from kvcd.host.paths import HostRoot
-from kvcd.host.rpmostree import is_ostree_host
 from kvcd.node.keys import stem
 
 
@@ -112,6 +113,48 @@ def render_capability(key: str, cap: dict[str, Any]) -> str:
     return f"{label}: {detail}" if detail else f"{label}: on"
 
 
+def _remembered(importer: pylibs.Importer) -> pylibs.Importer:
+    """`importer`, asked once per module: every instance asks for the same libraries."""
+    seen: dict[str, object] = {}
+
+    def look(name: str) -> object:
+        if name not in seen:
+            try:
+                seen[name] = importer(name)
+            except ImportError as exc:
+                seen[name] = exc
+        got = seen[name]
+        if isinstance(got, ImportError):
+            raise got
+        return got
+
+    return look
+
+
+def _runtime_files(root: HostRoot) -> Callable[[Path], bool]:
+    """Whether a file of the runtime directory may exist: one listing instead of an open per
+    file (most instances have no pid file and no notes). When the directory cannot be listed
+    for another reason, every file may exist: each is opened, and says why not itself."""
+    runtime = root.runtime
+    try:
+        present = frozenset(os.listdir(runtime))
+    except FileNotFoundError:  # no runtime directory: no daemon ran since boot
+        present = frozenset()
+    except OSError:
+        return lambda path: True
+    return lambda path: path.parent != runtime or path.name in present
+
+
+def _running(root: HostRoot, name: str, may_exist: Callable[[Path], bool]) -> bool:
+    """Whether kvcd@NAME runs (kvcd.daemon.control.daemon_pid); without a pid file it does not,
+    and the process proof is not imported."""
+    if not may_exist(root.pid_file(name)):
+        return False
+    from kvcd.daemon.control import daemon_pid
+
+    return daemon_pid(root, name) is not None
+
+
 def _processes(root: HostRoot, module: str) -> list[str]:
     from kvcd.host import procs
 
@@ -129,6 +172,8 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     current_boot = boot_id(root)
     settings = _settings(root)
     prefix = settings.annotation_prefix
+    importer = _remembered(pylibs.locate)
+    may_exist = _runtime_files(root)
     out = []
     for name in names:
         try:
@@ -174,22 +219,28 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         if rec and rec.goal == "unloaded" and loaded:
             problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
         entry["warnings"] = problems
-        _runtime_notes(root, name, entry, problems)
-        running = daemon_pid(root, name) is not None
-        entry["capabilities"] = capabilities(root, name, settings, running)
+        _runtime_notes(root, name, entry, problems, may_exist)
+        running = _running(root, name, may_exist)
+        entry["capabilities"] = capabilities(root, name, settings, running, importer)
         out.append(entry)
     return out
 
 
-def _runtime_notes(root: HostRoot, name: str, entry: dict[str, Any], problems: list[str]) -> None:
+def _runtime_notes(
+    root: HostRoot,
+    name: str,
+    entry: dict[str, Any],
+    problems: list[str],
+    may_exist: Callable[[Path], bool] = lambda path: True,
+) -> None:
     """What the instance's daemon says beside its record: a record it could not save, the
     node it cannot reach, the links it provides, its drift monitor."""
-    kept = unsaved(root, name)
+    kept = unsaved(root, name) if may_exist(root.unsaved_record(name)) else None
     if kept is not None:
         problems.append(
             f"state not saved: {kept[1]}; kept in {root.unsaved_record(name)} until it can be"
         )
-    node = _runtime_note(root.node_note(name), problems)
+    node = _runtime_note(root.node_note(name), problems, may_exist)
     if isinstance(node, dict) and isinstance(node.get("failing"), str):
         since = node.get("since")
         when = (
@@ -200,11 +251,11 @@ def _runtime_notes(root: HostRoot, name: str, entry: dict[str, Any], problems: l
         problems.append(f"node not updated{when}: {node['failing']}; retrying")
         entry["node_unreachable"] = node
     # The links the instance provides (expect_links; kvcd/daemon/links.py).
-    links = _runtime_note(root.links_note(name), problems)
+    links = _runtime_note(root.links_note(name), problems, may_exist)
     if isinstance(links, dict) and (links.get("provided") or links.get("missing")):
         entry["links"] = links
     # The drift monitor's line, while a `kvcd run` writes it (kvcd/daemon/drift.py).
-    monitor = _runtime_note(root.drift_note(name), problems)
+    monitor = _runtime_note(root.drift_note(name), problems, may_exist)
     if isinstance(monitor, dict) and isinstance(monitor.get("line"), str):
         entry["drift"] = monitor
 
@@ -221,8 +272,12 @@ def _unreadable(name: str, exc: OSError) -> dict[str, Any]:
     }
 
 
-def _runtime_note(path: Path, problems: list[str]) -> Any:
+def _runtime_note(
+    path: Path, problems: list[str], may_exist: Callable[[Path], bool] = lambda path: True
+) -> Any:
     """A runtime file a daemon writes for `kvcd status`; its problems become warnings."""
+    if not may_exist(path):
+        return None
     try:
         return files.read_json(path)
     except OSError as exc:

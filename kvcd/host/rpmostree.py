@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcd.host import pylibs
+from kvcd.host import ostreemark, pylibs
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:  # the rest of the room, not `kvcd status` (is_ostree_host), needs these
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 BUS_NAME = "org.projectatomic.rpmostree1"
 SYSROOT_PATH = "/org/projectatomic/rpmostree1/Sysroot"
 SYSROOT_IFACE = "org.projectatomic.rpmostree1.Sysroot"
-BOOTED_MARKER = "/run/ostree-booted"
+BOOTED_MARKER = ostreemark.BOOTED_MARKER
 STAGED_MARKER = "/run/ostree/staged-deployment"
 
 
@@ -59,7 +59,7 @@ class Deployment:
 
 
 def is_ostree_host(root: HostRoot) -> bool:
-    return root(BOOTED_MARKER).exists()
+    return ostreemark.is_ostree_host(root)
 
 
 def deployment_dir(root: HostRoot, osname: str, checksum: str, serial: int) -> Path:

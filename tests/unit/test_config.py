@@ -767,3 +767,16 @@ def test_unsafe_settings_file_refused(root: HostRoot) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(root)
     assert "refusing: writable by group/others (mode 0666)" in caught.value.detail
+
+
+def test_capsconf_keys_are_every_key_capsconf_parse_reads() -> None:
+    """native imports capsconf only for a config with one of rules.CAPSCONF_KEYS (issue #20):
+    a key capsconf.parse reads and the set lacks would be silently ignored."""
+    import inspect
+    import re
+
+    from kvcd.config import capsconf, rules
+
+    read = set(re.findall(r'"(\w+)" (?:not )?in data', inspect.getsource(capsconf.parse)))
+    assert read == rules.CAPSCONF_KEYS
+    assert rules.CAPSCONF_KEYS.issubset(rules.TOP_KEYS)
