@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,6 @@ from kvcd.host.udev import ModuleEvent, ModuleMonitor, udevd_running
 log = logging.getLogger(__name__)
 
 SOURCE = "drift"
-DEBOUNCE_SECONDS = 0.05
 
 
 # --- the extension ------------------------------------------------------------------------
@@ -57,18 +54,11 @@ class DriftMonitor(Extension):
         *,
         dirwatch: Callable[..., Any] = DirWatch,
         udev: Callable[..., Any] | None = ModuleMonitor,
-        debounce: float = DEBOUNCE_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.settings = settings
         self._dirwatch = dirwatch
         self._udev_factory = udev
-        self._clock = clock
-        self._debounce = core.Debouncer[str](debounce)
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self.ctx: Context | None = None
         self.watch: Any = None
         self.udev: Any = None
@@ -87,9 +77,6 @@ class DriftMonitor(Extension):
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
         self.ctx = ctx
-        self._stopping = False
-        self._thread = threading.Thread(target=self._debounce_loop, name="kvcd-drift", daemon=True)
-        self._thread.start()
         check = self._check(ctx)
         try:
             check.run()
@@ -123,12 +110,6 @@ class DriftMonitor(Extension):
         self._write_status()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
@@ -218,14 +199,10 @@ class DriftMonitor(Extension):
         return path.parent in self.dirs
 
     def on_change(self, path: Path) -> None:
-        """From the watchdog thread: debounce per path, then post a trigger."""
-        if not self.interesting(path):
-            return
-        with self._cond:
-            fire = self._debounce.note(str(path), self._clock())
-            if not fire:
-                self._cond.notify_all()
-        if fire:
+        """From the watchdog thread: post a trigger at once. A burst of events for one path
+        coalesces in the mailbox while it waits (kvcd/daemon/events.py), so the re-validation
+        that follows always starts after the last of them."""
+        if self.interesting(path):
             self._post(str(path))
 
     def _post(self, path: str) -> None:
@@ -239,15 +216,6 @@ class DriftMonitor(Extension):
         names = {m.kernel_name for m in self.cfg.modules}
         if event.name.replace("-", "_") in names and self.ctx is not None:
             self.ctx.post(Event(SOURCE, f"udev {event.action} {event.name}"))
-
-    def _debounce_loop(self) -> None:
-        with self._cond:
-            while not self._stopping:
-                deadline = self._debounce.next_deadline()
-                timeout = None if deadline is None else max(0.0, deadline - self._clock())
-                self._cond.wait(timeout)
-                for path in self._debounce.due(self._clock()):
-                    self._post(path)
 
     # --- checks (main thread) ----------------------------------------------------------
     def _check(self, ctx: Context) -> Check:

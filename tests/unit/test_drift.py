@@ -1,4 +1,4 @@
-"""Drift (issue #5): the pure comparison, debouncing and module judgement as tables; the
+"""Drift (issue #5): the pure comparison, mailbox coalescing and module judgement as tables; the
 monitor extension against a fake host (the MCO mutation table, recovery, force file, ENOSPC,
 udev seam, watch_config); the config keys.
 
@@ -33,7 +33,7 @@ from kvcd.core import state
 from kvcd.core.attempts import OBSERVE, RETRY
 from kvcd.core.state import StepFailed
 from kvcd.daemon import drift, driftstore, extensions, status
-from kvcd.daemon.events import HOLD, SKIP, Context, Event
+from kvcd.daemon.events import HOLD, SKIP, Context, Event, Mailbox
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
@@ -160,50 +160,41 @@ def test_judge_modules_refuses_unknown_policy() -> None:
         core.judge_modules({}, {}, policy="ignore")
 
 
-# --- core: debouncer ----------------------------------------------------------------------
+# --- the mailbox coalesces a burst of triggers (no debounce timer) ------------------------
 
-# (operation, key, time) -> result: note -> fires now?; due -> keys firing
-DEBOUNCE_TABLE = [
-    pytest.param([("note", "a", 0.0, True)], None, id="first-event-fires"),
-    pytest.param(
-        [("note", "a", 0.0, True), ("note", "a", 0.01, False), ("due", "", 0.05, ["a"])],
-        None,
-        id="burst-fires-trailing-once",
-    ),
-    pytest.param(
-        [("note", "a", 0.0, True), ("due", "", 0.05, []), ("note", "a", 0.06, True)],
-        None,
-        id="quiet-key-is-forgotten",
-    ),
-    pytest.param(
-        [("note", "a", 0.0, True), ("note", "b", 0.01, True), ("note", "a", 0.02, False)],
-        0.05,
-        id="per-path",
-    ),
-    pytest.param(
-        [
-            ("note", "a", 0.0, True),
-            ("note", "a", 0.01, False),
-            ("due", "", 0.04, []),
-            ("note", "a", 0.045, False),
-            ("due", "", 0.05, ["a"]),
-            ("due", "", 0.1, []),
-        ],
-        None,
-        id="held-events-fire-at-window-end-only",
-    ),
+# posts (source, what), one drain after each group -> what each drain returns
+COALESCE_TABLE = [
+    pytest.param([["a"]], [["a"]], id="one-event"),
+    pytest.param([["a", "a", "a"]], [["a"]], id="burst-of-one-path-is-one-trigger"),
+    pytest.param([["a", "b", "a"]], [["a", "b"]], id="per-path-first-order-kept"),
+    pytest.param([["a"], ["a"]], [["a"], ["a"]], id="posted-after-a-drain-is-a-new-trigger"),
+    pytest.param([[]], [[]], id="nothing"),
 ]
 
 
-@pytest.mark.parametrize(("ops", "deadline"), DEBOUNCE_TABLE)
-def test_debouncer(ops: list[tuple[str, str, float, object]], deadline: float | None) -> None:
-    d: core.Debouncer[str] = core.Debouncer(0.05)
-    for op, key, now, result in ops:
-        if op == "note":
-            assert d.note(key, now) is result, (op, key, now)
-        else:
-            assert d.due(now) == result, (op, now)
-    assert d.next_deadline() == (pytest.approx(deadline) if deadline is not None else None)
+@pytest.mark.parametrize(("groups", "drained"), COALESCE_TABLE)
+def test_mailbox_coalesces(groups: list[list[str]], drained: list[list[str]]) -> None:
+    mail = Mailbox()
+    try:
+        got = []
+        for group in groups:
+            for what in group:
+                mail.post(Event(drift.SOURCE, what))
+            got.append([e.what for e in mail.drain()])
+        assert got == drained
+        assert not mail.pending()
+    finally:
+        mail.close()
+
+
+def test_other_kinds_of_one_path_do_not_coalesce() -> None:
+    mail = Mailbox()
+    try:
+        mail.post(Event(drift.SOURCE, "p"))
+        mail.post(Event(drift.SOURCE, "p", kind=RETRY))
+        assert [e.kind for e in mail.drain()] == [OBSERVE, RETRY]
+    finally:
+        mail.close()
 
 
 # --- a fake host with one loaded instance ---------------------------------------------------
@@ -268,7 +259,7 @@ def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) ->
     FakeWatch.instances.clear()
     Rig.monitors.clear()
     yield root
-    # Every monitor a test started ends with it: no debounce thread outlives its test.
+    # Every monitor a test started ends with it: no watch outlives its test.
     for mon in Rig.monitors:
         mon.stop()
 
@@ -960,27 +951,16 @@ def test_interesting(
     assert {host.runtime, r.kdir, r.kdir / "extra", r.tree} <= watched
 
 
-def test_debounced_trigger_posts_once_then_trailing(host: HostRoot) -> None:
-    now = [100.0]
+def test_each_interesting_change_posts_at_once(host: HostRoot) -> None:
+    """No debounce window on the way: every interesting change is a trigger at once (the
+    mailbox coalesces a burst); uninteresting ones post nothing."""
     r = Rig(host)
-    mon = drift.DriftMonitor(r.cfg, r.settings, dirwatch=FakeWatch, udev=None, clock=lambda: now[0])
-    mon.start(r.ctx)
     dep = r.kdir / "modules.dep"
-    mon.on_change(dep)
-    mon.on_change(dep)  # within the window: held, fires once at its end
-    assert [e.what for e in r.posted] == [str(dep)]
-    now[0] += 1.0
-    with mon._cond:
-        mon._cond.notify_all()
-    deadline = 200
-    while len(r.posted) < 2 and deadline:
-        with mon._cond:
-            mon._cond.wait(0.01)
-        deadline -= 1
+    r.mon.on_change(dep)
+    r.mon.on_change(dep)
     assert [e.what for e in r.posted] == [str(dep), str(dep)]
-    mon.on_change(host("/etc/hostname"))
+    r.mon.on_change(host("/etc/hostname"))
     assert len(r.posted) == 2
-    mon.stop()
 
 
 def test_config_edit_reconciles_only_with_watch_config(
