@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -462,6 +464,133 @@ def check_mutation(r: Rig, mutate: Callable[[Rig], object], expect: tuple[str, s
     assert hits, v.reason
     assert f"{hits[0].path}: {what}" in v.reason
     assert "module bytes" not in v.reason and "evil" not in v.reason.replace("20-evil", "")
+
+
+@pytest.mark.parametrize(("mutate", "expect"), MUTATIONS)
+def test_mutation_table_with_remembered_hashes(
+    host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    """The same table with every file's hash remembered (settled long ago): stat first never
+    clears a change."""
+    r = Rig(host)
+    r.mon.hashes = driftstore.Hashes(clock=lambda: time.time_ns() + 100 * driftstore.RACY_NS)
+    r.mon.validate(r.ctx)
+    before = r.mon.hashes.hashed
+    r.mon.validate(r.ctx)
+    assert r.mon.hashes.hashed == before  # all remembered: nothing read again
+    check_mutation(r, mutate, expect)
+
+
+# --- the hash memory: stat first, read only what stat cannot clear ---------------------------
+
+
+def _same_size_mtime_restored(path: Path) -> None:
+    st = path.stat()
+    path.write_bytes(b"B" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # ctime moves all the same
+
+
+def _replaced_inode_mtime_restored(path: Path) -> None:
+    st = path.stat()
+    new = path.with_name("new")
+    new.write_bytes(b"B" * st.st_size)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
+def _chmod(path: Path) -> None:
+    path.chmod(0o600)
+
+
+# (how long after the file's last change the hash was taken, mutation, whether the stat the
+# second look sees is forced to the first one's (a write within one timestamp tick), trust)
+#   -> (the second look's content, whether it read the file again)
+SETTLED = 10 * driftstore.RACY_NS
+CACHE_TABLE = [
+    pytest.param(SETTLED, None, False, True, b"A", False, id="unchanged-is-a-hit"),
+    pytest.param(
+        SETTLED, _same_size_mtime_restored, False, True, b"B", True, id="same-size-mtime-reset"
+    ),
+    pytest.param(
+        SETTLED, _replaced_inode_mtime_restored, False, True, b"B", True, id="replaced-inode"
+    ),
+    pytest.param(SETTLED, _chmod, False, True, b"A", True, id="chmod-moves-ctime"),
+    pytest.param(
+        driftstore.RACY_NS // 4,
+        _same_size_mtime_restored,
+        True,
+        True,
+        b"B",
+        True,
+        id="racy-same-tick-write-caught",
+    ),
+    pytest.param(driftstore.RACY_NS // 4, None, False, True, b"A", True, id="racy-not-remembered"),
+    pytest.param(
+        SETTLED, _same_size_mtime_restored, True, False, b"B", True, id="untrusted-reads-all"
+    ),
+    pytest.param(SETTLED, None, False, False, b"A", True, id="untrusted-reads-unchanged-too"),
+]
+
+
+@pytest.mark.parametrize(("age", "mutate", "same_stat", "trust", "content", "read"), CACHE_TABLE)
+def test_hash_memory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    age: int,
+    mutate: Callable[[Path], None] | None,
+    same_stat: bool,
+    trust: bool,
+    content: bytes,
+    read: bool,
+) -> None:
+    path = tmp_path / "m.ko"
+    path.write_bytes(b"A" * 64)
+    st = os.lstat(path)
+    h = driftstore.Hashes(clock=lambda: max(st.st_mtime_ns, st.st_ctime_ns) + age)
+    first = h.fact(str(path))
+    assert first.sha256 == hashlib.sha256(b"A" * 64).hexdigest()
+    if mutate is not None:
+        mutate(path)
+    if same_stat:  # as if the write landed in the same tick: lstat cannot tell
+        real = os.lstat
+        monkeypatch.setattr(os, "lstat", lambda p: st if str(p) == str(path) else real(p))
+    second = h.fact(str(path), trust=trust)
+    assert second.sha256 == hashlib.sha256(content * 64).hexdigest()
+    assert (h.hashed == 2) is read
+    assert second.mode == stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_hash_memory_forgets_files_no_check_looks_at(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.ko", tmp_path / "b.ko"]
+    for p in paths:
+        p.write_bytes(b"x")
+    h = driftstore.Hashes(clock=lambda: time.time_ns() + SETTLED)
+    h.facts([str(p) for p in paths])
+    h.retain([str(paths[0])])
+    h.facts([str(p) for p in paths])
+    assert h.hashed == 3  # b.ko read again, a.ko remembered
+
+
+def test_many_files_are_hashed_on_several_threads_alike(tmp_path: Path) -> None:
+    """Past the pool threshold the facts are the same as one by one."""
+    paths = []
+    for i in range(6):
+        p = tmp_path / f"m{i}.ko"
+        p.write_bytes(bytes([i]) * (1 << 20))
+        paths.append(str(p))
+    pooled = driftstore.Hashes().facts(paths)
+    assert pooled == {p: driftstore.Hashes().facts([p])[p] for p in paths}
+
+
+def test_the_periodic_check_reads_every_file_again(host: HostRoot) -> None:
+    r = Rig(host)
+    r.mon.hashes = driftstore.Hashes(clock=lambda: time.time_ns() + SETTLED)
+    r.verdict()
+    before = r.mon.hashes.hashed
+    r.verdict()
+    assert r.mon.hashes.hashed == before
+    r.verdict(Event(drift.SOURCE, "timer"))
+    assert r.mon.hashes.hashed > before
 
 
 # --- the system tree (kvcd.toml module_tree = "system") --------------------------------------
