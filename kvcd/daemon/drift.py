@@ -40,6 +40,7 @@ from kvcd.host.udev import ModuleEvent, ModuleMonitor, udevd_running
 log = logging.getLogger(__name__)
 
 SOURCE = "drift"
+SWEEP = "full check"  # the event that follows a Degraded found on a named file alone
 
 
 # --- the extension ------------------------------------------------------------------------
@@ -75,6 +76,8 @@ class DriftMonitor(Extension):
         self.checks = 0  # how many full validations ran (tests, benchmarks)
         self.damaged: list[str] = []  # drift records set aside since the last reconcile
         self.hashes = Hashes()  # file hashes remembered between checks (stat first)
+        self._last: Check | None = None  # the last full check: its expectation (see _named)
+        self._sweep = False  # Degraded on a named path alone: a full check is to follow
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -82,6 +85,7 @@ class DriftMonitor(Extension):
         check = self._check(ctx)
         try:
             check.run()
+            self._last = check
         except OSError as exc:  # the verdict's check reports it; watch what is known
             log.warning("drift: first check: %s", exc, extra=ctx.fields)
         self.files = len(check.expected)
@@ -242,9 +246,26 @@ class DriftMonitor(Extension):
         diffs = check.run()
         self.checks += 1
         self.files = len(check.expected)
-        self.hashes.retain(check.observed)
+        self.hashes.retain([*check.observed, *check.basis])
+        self._last = check
         self._watch_dirs(ctx, check.watch_dirs)
         return diffs
+
+    def _named(self, events: list[Event]) -> list[core.Difference]:
+        """The differences of the files the events name, against the last full check's
+        expectation, when it still holds (the files it was made from are as they were).
+        Found ones are proven drift: recorded at once, the full check follows (`_sweep`).
+        Nothing found proves nothing (the full check decides)."""
+        last = self._last
+        if last is None or any(
+            e.source != SOURCE or e.kind != OBSERVE or e.what == SWEEP for e in events
+        ):
+            return []
+        named = sorted({e.what for e in events if e.what in last.direct})
+        if not named or self.hashes.facts(last.basis) != last.basis:
+            return []
+        facts = self.hashes.facts(named)
+        return [d for p in named for d in core.compare_one(p, last.direct[p], facts[p])]
 
     # --- the force file ----------------------------------------------------------------
     def consume_force(self, ctx: Context) -> bool:
@@ -274,7 +295,10 @@ class DriftMonitor(Extension):
         # The periodic check trusts no remembered hash: it is the net for what neither inotify
         # nor a stat sees (a write under the filesystem, the clock set back).
         timer = any(e.source == SOURCE and e.what == "timer" for e in events)
-        diffs = self.validate(ctx, trust=not timer)
+        diffs = [] if timer else self._named(events)
+        self._sweep = bool(diffs)
+        if not diffs:
+            diffs = self.validate(ctx, trust=not timer)
         if diffs:
             reason = state.reason_text(state.DRIFT, core.reason(diffs))
             if reason != self.drifted:
@@ -377,6 +401,9 @@ class DriftMonitor(Extension):
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         if self._held:
             self._held = False
+            if self._sweep:  # Degraded on the named file alone: the whole instance next
+                self._sweep = False
+                ctx.post(Event(SOURCE, SWEEP))
             self._write_status()
             return None
         # kvcd's own change is done: record the tree it left (from its own manifest), take the
@@ -386,6 +413,7 @@ class DriftMonitor(Extension):
             self._rebaseline(ctx)
             check = self._check(ctx)
             check.run()  # differences, if any, are the next verdict's business
+            self._last = check
             self.files = len(check.expected)
             self._watch_dirs(ctx, check.watch_dirs)
         except (OSError, kmod.KmodError) as exc:

@@ -79,6 +79,13 @@ class Check:
         self.watch_dirs: set[Path] = set()
         self.differences: list[core.Difference] = []  # found directly, not by comparison
         self.store: Path | None = None  # the active store tree, when the link is valid
+        # The facts of the files this expectation is made from (baseline, link, manifest,
+        # marker), each taken before it was read: while they hold, so does the expectation.
+        self.basis: dict[str, core.Fact] = {}
+        # The expectations of files compared directly (not the depmod indexes, whose verdict
+        # needs a regeneration): what a named path can be checked against on its own.
+        self.direct: dict[str, core.Expect] = {}
+        self._input(baseline_path(root, cfg.name))
         data = read_record(baseline_path(root, cfg.name), parse_baseline, on_damaged)
         self.baseline: dict[str, Any] = data or {}
 
@@ -89,7 +96,7 @@ class Check:
         self.watch_dirs.update({link.parent, own_store})
         tree = baseline_tree(self.baseline, self.kernel)
         was = tree.get("link") if isinstance(tree.get("link"), str) else None
-        f = self._fact(link)
+        f = self._input(link)
         if self.root.system_tree and f.kind in (core.DIR, core.ABSENT):
             self._installed_copy(link, own_store, was, tree)
             return
@@ -119,6 +126,7 @@ class Check:
         there and nothing recorded (the plan extracts it)."""
         self.store = target
         self.watch_dirs.add(target)
+        self._input(target / MANIFEST)
         manifest = store.read_manifest(target)
         if manifest is not None:
             return manifest.entries()
@@ -130,6 +138,10 @@ class Check:
 
     def _fact(self, path: Path | str) -> core.Fact:
         return self.hashes.fact(str(path), trust=self.trust)
+
+    def _input(self, path: Path) -> core.Fact:
+        f = self.basis[str(path)] = self._fact(path)
+        return f
 
     def _files(self, base: Path, entries: dict[str, Any]) -> None:
         """`base` holds exactly the listed module files (sha256, mode); any other module file
@@ -168,7 +180,7 @@ class Check:
         manifest."""
         marker = installed / modtree.STORE_MARKER
         key = str(marker)
-        f = self._fact(marker)
+        f = self._input(marker)
         self.observed[key] = f
         self.watch_dirs.add(installed)
         text = f"{was}\n".encode()
@@ -309,6 +321,7 @@ class Check:
         self._units()
         self._depmod_conf()
         diffs = core.compare(self.expected, self.observed) + self.differences
+        self.direct = {p: e for p, e in self.expected.items() if e.kind == core.FILE}
         # After the comparison: the depmod indexes have their own (regenerating) verdict.
         depmod = self._depmod()
         return sorted([*diffs, *depmod], key=lambda d: (d.path, d.what))

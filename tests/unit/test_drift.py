@@ -481,6 +481,81 @@ def test_mutation_table_with_remembered_hashes(
     check_mutation(r, mutate, expect)
 
 
+@pytest.mark.parametrize(("mutate", "expect"), MUTATIONS)
+def test_mutation_table_with_the_files_named(
+    host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    """Events that name the files: a difference found on a named file alone is Degraded at
+    once, and the full check that follows names what the table expects."""
+    r = Rig(host)
+    assert r.verdict() is None
+    assert r.mon._last is not None
+    named = [Event(drift.SOURCE, p) for p in sorted(r.mon._last.direct)]
+    mutate(r)
+    v = r.verdict(*named)
+    if expect is None:
+        assert v is None, v
+        return
+    assert v is not None and v.verb == HOLD and v.state == state.DEGRADED, v
+    assert v.reason.startswith(f"{state.DRIFT}: "), v.reason
+    r.mon.after(r.ctx, r.record)
+    sweep = [e for e in r.posted if e.what == drift.SWEEP]
+    v = r.verdict(*sweep) if sweep else v
+    what, suffix = expect
+    assert v is not None and v.verb == HOLD
+    assert any(f"{suffix}: {what}" in part for part in v.reason.split("; ")), v.reason
+
+
+def test_a_named_file_is_degraded_without_a_full_check_then_the_full_check_follows(
+    host: HostRoot,
+) -> None:
+    r = Rig(host)
+    ko = r.tree / "kvcd_base.ko"
+    checks = r.mon.checks
+    ko.write_bytes(b"patched")
+    v = r.verdict(Event(drift.SOURCE, str(ko)))
+    assert v is not None and v.state == state.DEGRADED and f"{ko}: content" in v.reason
+    assert r.mon.checks == checks  # proven on the named file alone
+    r.mon.after(r.ctx, r.record)
+    assert [e.what for e in r.posted] == [drift.SWEEP]
+    (r.tree / "kvcd_user.ko").unlink()
+    v = r.verdict(*r.posted)
+    assert r.mon.checks == checks + 1
+    assert v is not None and "kvcd_user.ko: missing" in v.reason and f"{ko}: content" in v.reason
+
+
+NAMED_FULL = [
+    pytest.param(lambda r: None, id="nothing-differs-on-the-named-file"),
+    pytest.param(
+        lambda r: (r.tree / ".kvcd-manifest.json").write_text(
+            (r.tree / ".kvcd-manifest.json").read_text() + " "
+        ),
+        id="the-manifest-changed-since",
+    ),
+    pytest.param(
+        lambda r: driftstore.baseline_path(r.root, NAME).write_text(
+            driftstore.baseline_path(r.root, NAME).read_text() + " "
+        ),
+        id="the-baseline-changed-since",
+    ),
+]
+
+
+@pytest.mark.parametrize("change", NAMED_FULL)
+def test_a_named_file_proves_nothing_unless_the_expectation_holds(
+    host: HostRoot, change: Callable[[Rig], object]
+) -> None:
+    """The full check decides when the named file matches, or when what the expectation was
+    made from changed since (kvcd or someone rewrote the manifest or the baseline)."""
+    r = Rig(host)
+    ko = r.tree / "kvcd_base.ko"
+    change(r)
+    ko.write_bytes(b"patched")
+    checks = r.mon.checks
+    r.verdict(Event(drift.SOURCE, str(ko)))
+    assert r.mon.checks == checks + (0 if change is NAMED_FULL[0].values[0] else 1)
+
+
 # --- the hash memory: stat first, read only what stat cannot clear ---------------------------
 
 
