@@ -78,6 +78,7 @@ class DriftMonitor(Extension):
         self.hashes = Hashes()  # file hashes remembered between checks (stat first)
         self._last: Check | None = None  # the last full check: its expectation (see _named)
         self._sweep = False  # Degraded on a named path alone: a full check is to follow
+        self._status: dict[str, Any] = {}  # what the status file says
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -297,8 +298,7 @@ class DriftMonitor(Extension):
         timer = any(e.source == SOURCE and e.what == "timer" for e in events)
         diffs = [] if timer else self._named(events)
         self._sweep = bool(diffs)
-        if not diffs:
-            diffs = self.validate(ctx, trust=not timer)
+        diffs = diffs or self.validate(ctx, trust=not timer)
         if diffs:
             reason = state.reason_text(state.DRIFT, core.reason(diffs))
             if reason != self.drifted:
@@ -481,8 +481,12 @@ class DriftMonitor(Extension):
             "udev_off": "" if self.udev is not None else self.udev_off,
             "line": self.status_line(),
         }
+        path = self.ctx.root.drift_note(self.ctx.name)
+        if data == self._status and path.exists():
+            return  # written already: a held cycle changes none of it
         with contextlib.suppress(OSError):
-            files.write_json(self.ctx.root.drift_note(self.ctx.name), data)
+            files.write_json(path, data)
+            self._status = data
 
 
 def build(cfg: InstanceConfig, settings: Settings) -> DriftMonitor:

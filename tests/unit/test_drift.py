@@ -32,14 +32,14 @@ from kvcd.config.loader import (
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
-from kvcd.core.attempts import OBSERVE, RETRY
+from kvcd.core.attempts import OBSERVE, OK, RETRY
 from kvcd.core.state import StepFailed
 from kvcd.daemon import drift, driftstore, extensions, status
 from kvcd.daemon.events import HOLD, SKIP, Context, Event, Mailbox
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import journal, kmod, modtree
+from kvcd.host import files, journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.paths import HostRoot
 from kvcd.host.udev import ModuleEvent, module_event
@@ -813,6 +813,34 @@ def _service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> tuple[Service, 
 
     monkeypatch.setattr(extensions, "build", build)
     return Service(host, NAME, K, fakehost.RecordingNotifier()), made
+
+
+def test_a_drift_hold_is_one_write_of_the_record_and_none_of_an_unchanged_status(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Degraded and its attempt ledger go to disk together (one atomic write, two fsyncs),
+    and a held cycle that changes nothing the status file says does not rewrite it."""
+    svc, _ = _service(host, monkeypatch)
+    assert svc.reconcile([Event("start")]) is not None
+    written: list[Path] = []
+    real = files.atomic_write
+
+    def spy(path: Path, data: bytes, mode: int = 0o644) -> None:
+        written.append(path)
+        real(path, data, mode)
+
+    monkeypatch.setattr(files, "atomic_write", spy)
+    ko = host.store(NAME) / "1.0" / K / "kvcd_user.ko"
+    for text in (b"edited", b"edited again"):
+        written.clear()
+        ko.write_bytes(text)
+        rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
+        assert rec is not None and rec.state == state.DEGRADED
+        assert written.count(host.state_file(NAME)) == 1
+        assert host.drift_note(NAME) not in written
+        on_disk = Record.read(host, NAME)
+        assert on_disk is not None and on_disk.attempt == svc.ledger
+        assert on_disk.attempt.outcome == OK
 
 
 def test_drift_holds_then_recovers_to_done_without_a_command(
