@@ -3,15 +3,13 @@
 The daemon side (kvcd/daemon/drift.py) reads the facts of every file kvcd owns for an instance
 (lstat mode + sha256, never the contents) and hands them here with the expectation; `compare`
 returns the differences, `reason` turns them into the instance's Degraded reason. Also here:
-the per-path debouncer of watch events and the decision about modules someone else removed or
-replaced (both pure, so both are tested as tables).
+the decision about modules someone else removed or replaced (pure, tested as a table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 # What a fact says a path is.
 FILE = "file"
@@ -165,53 +163,3 @@ def judge_modules(
         detail = ", ".join(f"{n} srcversion {loaded[n]} (expected {expected[n]})" for n in other)
         return ModuleFinding(REPLACED, f"another build is loaded: {detail}", policy == RELOAD)
     return ModuleFinding(KEEP)
-
-
-# --- debouncing ---------------------------------------------------------------------------
-
-K = TypeVar("K", bound=Hashable)
-
-
-class Debouncer(Generic[K]):
-    """Per-key leading + trailing edge debouncing, on a clock the caller passes in.
-
-    The first event of a key fires at once (low latency); further events within `window`
-    seconds are held and fire once when the window ends, so the last write of a burst is
-    always followed by a re-validation (a leading edge alone could read the file mid-burst
-    and miss the final state).
-    """
-
-    def __init__(self, window: float) -> None:
-        if window < 0:
-            raise ValueError("window must be >= 0")
-        self.window = window
-        self._until: dict[K, float] = {}
-        self._held: set[K] = set()
-
-    def note(self, key: K, now: float) -> bool:
-        """An event for `key` at `now`: True when it should fire now."""
-        until = self._until.get(key)
-        if until is None or now >= until:
-            self._until[key] = now + self.window
-            self._held.discard(key)
-            return True
-        self._held.add(key)
-        return False
-
-    def due(self, now: float) -> list[K]:
-        """Keys whose held events fire now (each opens a new window); expired keys are forgotten."""
-        fire: list[K] = []
-        for key, until in list(self._until.items()):
-            if until > now:
-                continue
-            if key in self._held:
-                self._held.discard(key)
-                self._until[key] = now + self.window
-                fire.append(key)
-            else:
-                del self._until[key]
-        return fire
-
-    def next_deadline(self) -> float | None:
-        """When `due` has something to fire (None: nothing is held, sleep until an event)."""
-        return min((self._until[k] for k in self._held), default=None)

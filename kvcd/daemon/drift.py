@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from kvcd.core.attempts import OBSERVE, RETRY
 from kvcd.daemon import store
 from kvcd.daemon.driftcheck import Check, drop_applied, regenerate
 from kvcd.daemon.driftstore import (
+    Hashes,
     baseline_path,
     dropin_dirs,
     fact_json,
@@ -41,7 +40,7 @@ from kvcd.host.udev import ModuleEvent, ModuleMonitor, udevd_running
 log = logging.getLogger(__name__)
 
 SOURCE = "drift"
-DEBOUNCE_SECONDS = 0.05
+SWEEP = "full check"  # the event that follows a Degraded found on a named file alone
 
 
 # --- the extension ------------------------------------------------------------------------
@@ -58,18 +57,11 @@ class DriftMonitor(Extension):
         *,
         dirwatch: Callable[..., Any] = DirWatch,
         udev: Callable[..., Any] | None = ModuleMonitor,
-        debounce: float = DEBOUNCE_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.settings = settings
         self._dirwatch = dirwatch
         self._udev_factory = udev
-        self._clock = clock
-        self._debounce = core.Debouncer[str](debounce)
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread: threading.Thread | None = None
         self.ctx: Context | None = None
         self.watch: Any = None
         self.udev: Any = None
@@ -84,16 +76,18 @@ class DriftMonitor(Extension):
         self._forced = False
         self.checks = 0  # how many full validations ran (tests, benchmarks)
         self.damaged: list[str] = []  # drift records set aside since the last reconcile
+        self.hashes = Hashes()  # file hashes remembered between checks (stat first)
+        self._last: Check | None = None  # the last full check: its expectation (see _named)
+        self._sweep = False  # Degraded on a named path alone: a full check is to follow
+        self._status: dict[str, Any] = {}  # what the status file says
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
         self.ctx = ctx
-        self._stopping = False
-        self._thread = threading.Thread(target=self._debounce_loop, name="kvcd-drift", daemon=True)
-        self._thread.start()
         check = self._check(ctx)
         try:
             check.run()
+            self._last = check
         except OSError as exc:  # the verdict's check reports it; watch what is known
             log.warning("drift: first check: %s", exc, extra=ctx.fields)
         self.files = len(check.expected)
@@ -124,12 +118,6 @@ class DriftMonitor(Extension):
         self._write_status()
 
     def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
         if self.watch is not None:
             self.watch.stop()
             self.watch = None
@@ -219,14 +207,10 @@ class DriftMonitor(Extension):
         return path.parent in self.dirs
 
     def on_change(self, path: Path) -> None:
-        """From the watchdog thread: debounce per path, then post a trigger."""
-        if not self.interesting(path):
-            return
-        with self._cond:
-            fire = self._debounce.note(str(path), self._clock())
-            if not fire:
-                self._cond.notify_all()
-        if fire:
+        """From the watchdog thread: post a trigger at once. A burst of events for one path
+        coalesces in the mailbox while it waits (kvcd/daemon/events.py), so the re-validation
+        that follows always starts after the last of them."""
+        if self.interesting(path):
             self._post(str(path))
 
     def _post(self, path: str) -> None:
@@ -241,33 +225,49 @@ class DriftMonitor(Extension):
         if event.name.replace("-", "_") in names and self.ctx is not None:
             self.ctx.post(Event(SOURCE, f"udev {event.action} {event.name}"))
 
-    def _debounce_loop(self) -> None:
-        with self._cond:
-            while not self._stopping:
-                deadline = self._debounce.next_deadline()
-                timeout = None if deadline is None else max(0.0, deadline - self._clock())
-                self._cond.wait(timeout)
-                for path in self._debounce.due(self._clock()):
-                    self._post(path)
-
     # --- checks (main thread) ----------------------------------------------------------
-    def _check(self, ctx: Context) -> Check:
+    def _check(self, ctx: Context, *, trust: bool = True) -> Check:
         return Check(
             ctx.root,
             self.cfg,
             ctx.kernel,
             lambda k: regenerate(ctx.root, k),
             self.damaged.append,
+            hashes=self.hashes,
+            trust=trust,
         )
 
-    def validate(self, ctx: Context) -> list[core.Difference]:
-        """One full re-validation of the instance (also the preflight before every change)."""
-        check = self._check(ctx)
+    def forget(self) -> None:
+        """Forget every remembered file hash: the next check reads every file."""
+        self.hashes.forget()
+
+    def validate(self, ctx: Context, *, trust: bool = True) -> list[core.Difference]:
+        """One full re-validation of the instance (also the preflight before every change);
+        `trust=False` reads every file again instead of clearing unchanged ones by stat."""
+        check = self._check(ctx, trust=trust)
         diffs = check.run()
         self.checks += 1
         self.files = len(check.expected)
+        self.hashes.retain([*check.observed, *check.basis])
+        self._last = check
         self._watch_dirs(ctx, check.watch_dirs)
         return diffs
+
+    def _named(self, events: list[Event]) -> list[core.Difference]:
+        """The differences of the files the events name, against the last full check's
+        expectation, when it still holds (the files it was made from are as they were).
+        Found ones are proven drift: recorded at once, the full check follows (`_sweep`).
+        Nothing found proves nothing (the full check decides)."""
+        last = self._last
+        if last is None or any(
+            e.source != SOURCE or e.kind != OBSERVE or e.what == SWEEP for e in events
+        ):
+            return []
+        named = sorted({e.what for e in events if e.what in last.direct})
+        if not named or self.hashes.facts(last.basis) != last.basis:
+            return []
+        facts = self.hashes.facts(named)
+        return [d for p in named for d in core.compare_one(p, last.direct[p], facts[p])]
 
     # --- the force file ----------------------------------------------------------------
     def consume_force(self, ctx: Context) -> bool:
@@ -294,7 +294,12 @@ class DriftMonitor(Extension):
             self.drifted = ""
             self.module_reason = ""
             return None  # the normal plan re-extracts, re-links and re-runs depmod
-        diffs = self.validate(ctx)
+        # The periodic check trusts no remembered hash: it is the net for what neither inotify
+        # nor a stat sees (a write under the filesystem, the clock set back).
+        timer = any(e.source == SOURCE and e.what == "timer" for e in events)
+        diffs = [] if timer else self._named(events)
+        self._sweep = bool(diffs)
+        diffs = diffs or self.validate(ctx, trust=not timer)
         if diffs:
             reason = state.reason_text(state.DRIFT, core.reason(diffs))
             if reason != self.drifted:
@@ -397,6 +402,9 @@ class DriftMonitor(Extension):
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         if self._held:
             self._held = False
+            if self._sweep:  # Degraded on the named file alone: the whole instance next
+                self._sweep = False
+                ctx.post(Event(SOURCE, SWEEP))
             self._write_status()
             return None
         # kvcd's own change is done: record the tree it left (from its own manifest), take the
@@ -406,6 +414,7 @@ class DriftMonitor(Extension):
             self._rebaseline(ctx)
             check = self._check(ctx)
             check.run()  # differences, if any, are the next verdict's business
+            self._last = check
             self.files = len(check.expected)
             self._watch_dirs(ctx, check.watch_dirs)
         except (OSError, kmod.KmodError) as exc:
@@ -473,8 +482,12 @@ class DriftMonitor(Extension):
             "udev_off": "" if self.udev is not None else self.udev_off,
             "line": self.status_line(),
         }
+        path = self.ctx.root.drift_note(self.ctx.name)
+        if data == self._status and path.exists():
+            return  # written already: a held cycle changes none of it
         with contextlib.suppress(OSError):
-            files.write_json(self.ctx.root.drift_note(self.ctx.name), data)
+            files.write_json(path, data)
+            self._status = data
 
 
 def build(cfg: InstanceConfig, settings: Settings) -> DriftMonitor:

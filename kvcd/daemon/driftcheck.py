@@ -19,6 +19,7 @@ from kvcd.core import drift as core
 from kvcd.daemon import store
 from kvcd.daemon.driftstore import (
     MODULE_SUFFIXES,
+    Hashes,
     baseline_path,
     baseline_tree,
     depmod_outputs,
@@ -27,7 +28,6 @@ from kvcd.daemon.driftstore import (
     dropin_dirs,
     expect_json,
     f_absent,
-    fact,
     fact_json,
     is_depmod_output,
     link_path,
@@ -52,6 +52,8 @@ class Check:
 
     `regenerate(kernel) -> {name: (normalized digest, mode)}` produces the depmod indexes of
     kvcd's current module tree in a scratch directory (driftcheck.regenerate by default).
+    `hashes` remembers file hashes between checks (stat first); `trust=False` reads every file
+    again (see driftstore.Hashes).
     """
 
     def __init__(
@@ -61,8 +63,13 @@ class Check:
         kernel: str,
         regenerate: Callable[[str], dict[str, tuple[str, int]] | None],
         on_damaged: Callable[[str], None] = lambda _what: None,
+        *,
+        hashes: Hashes | None = None,
+        trust: bool = True,
     ) -> None:
         self.root = root
+        self.hashes = hashes if hashes is not None else Hashes()
+        self.trust = trust
         self.on_damaged = on_damaged
         self.cfg = cfg
         self.kernel = kernel
@@ -72,6 +79,13 @@ class Check:
         self.watch_dirs: set[Path] = set()
         self.differences: list[core.Difference] = []  # found directly, not by comparison
         self.store: Path | None = None  # the active store tree, when the link is valid
+        # The facts of the files this expectation is made from (baseline, link, manifest,
+        # marker), each taken before it was read: while they hold, so does the expectation.
+        self.basis: dict[str, core.Fact] = {}
+        # The expectations of files compared directly (not the depmod indexes, whose verdict
+        # needs a regeneration): what a named path can be checked against on its own.
+        self.direct: dict[str, core.Expect] = {}
+        self._input(baseline_path(root, cfg.name))
         data = read_record(baseline_path(root, cfg.name), parse_baseline, on_damaged)
         self.baseline: dict[str, Any] = data or {}
 
@@ -82,7 +96,7 @@ class Check:
         self.watch_dirs.update({link.parent, own_store})
         tree = baseline_tree(self.baseline, self.kernel)
         was = tree.get("link") if isinstance(tree.get("link"), str) else None
-        f = fact(link)
+        f = self._input(link)
         if self.root.system_tree and f.kind in (core.DIR, core.ABSENT):
             self._installed_copy(link, own_store, was, tree)
             return
@@ -112,38 +126,51 @@ class Check:
         there and nothing recorded (the plan extracts it)."""
         self.store = target
         self.watch_dirs.add(target)
+        self._input(target / MANIFEST)
         manifest = store.read_manifest(target)
         if manifest is not None:
             return manifest.entries()
         if recorded and isinstance(tree.get("files"), dict):
             self.expected[str(target / MANIFEST)] = core.Expect(core.FILE)
-            self.observed[str(target / MANIFEST)] = fact(target / MANIFEST)
+            self.observed[str(target / MANIFEST)] = self._fact(target / MANIFEST)
             return dict(tree["files"])
         return None
 
+    def _fact(self, path: Path | str) -> core.Fact:
+        return self.hashes.fact(str(path), trust=self.trust)
+
+    def _input(self, path: Path) -> core.Fact:
+        f = self.basis[str(path)] = self._fact(path)
+        return f
+
     def _files(self, base: Path, entries: dict[str, Any]) -> None:
         """`base` holds exactly the listed module files (sha256, mode); any other module file
-        there is unexpected."""
-        listed: set[Path] = set()
+        there is unexpected. (Strings, not Paths: this runs once per managed file.)"""
+        top = str(base)
+        listed: list[str] = []
+        parents: set[str] = set()
         for rel, info in sorted(entries.items()):
             if not isinstance(info, dict):
                 continue
-            path = Path(os.path.normpath(base / rel))
-            listed.add(path)
-            self.watch_dirs.add(path.parent)
+            path = os.path.normpath(os.path.join(top, rel))
+            listed.append(path)
+            parents.add(os.path.dirname(path))
             sha = info.get("sha256")
             mode = info.get("mode")
-            self.expected[str(path)] = core.Expect(
+            self.expected[path] = core.Expect(
                 core.FILE,
                 sha256=sha if isinstance(sha, str) else None,
                 mode=mode if isinstance(mode, int) else None,
             )
-            self.observed[str(path)] = fact(path)
-        for dirpath, _dirs, names in os.walk(base):
-            for name in names:
-                path = Path(dirpath) / name
-                if name.endswith(MODULE_SUFFIXES) and path not in listed:
-                    self.observed[str(path)] = fact(path)
+        known = set(listed)
+        rogue = [
+            os.path.join(dirpath, name)
+            for dirpath, _dirs, names in os.walk(top)
+            for name in names
+            if name.endswith(MODULE_SUFFIXES) and os.path.join(dirpath, name) not in known
+        ]
+        self.watch_dirs.update(Path(p) for p in parents)
+        self.observed.update(self.hashes.facts([*listed, *rogue], trust=self.trust))
 
     def _installed_copy(
         self, installed: Path, own_store: Path, was: str | None, tree: dict[str, Any]
@@ -153,7 +180,7 @@ class Check:
         manifest."""
         marker = installed / modtree.STORE_MARKER
         key = str(marker)
-        f = fact(marker)
+        f = self._input(marker)
         self.observed[key] = f
         self.watch_dirs.add(installed)
         text = f"{was}\n".encode()
@@ -162,7 +189,7 @@ class Check:
             self.expected[key] = core.Expect(core.FILE, sha256=want) if was else f_absent()
             if not was and installed.is_dir():  # a directory kvcd did not install
                 self.expected[str(installed)] = f_absent()
-                self.observed[str(installed)] = fact(installed)
+                self.observed[str(installed)] = self._fact(installed)
             return
         self.expected[key] = core.Expect(core.FILE, sha256=want, size=len(text) if was else None)
         if f.kind != core.FILE:
@@ -185,7 +212,7 @@ class Check:
         if not kdir.is_dir():
             return []
         with kmod.tree_lock(self.root):  # no kvcd depmod runs while we look and compare
-            now = depmod_outputs(kdir)
+            now = depmod_outputs(kdir, self.hashes, trust=self.trust)
             recorded = read_record(record_path, parse_depmod_record, self.on_damaged)
             rec = recorded.get("files") if recorded is not None else None
             expected: dict[str, core.Expect] = {}
@@ -250,7 +277,7 @@ class Check:
         out: dict[str, core.Fact] = {}
         for path in unit_files(self.root):
             self.watch_dirs.add(path.parent)
-            out[str(path)] = fact(path)
+            out[str(path)] = self._fact(path)
         for d in dropin_dirs(self.root, self.cfg.name):
             self.watch_dirs.add(d)
             try:
@@ -259,7 +286,7 @@ class Check:
                 continue
             for name in names:
                 if name.endswith(".conf"):
-                    out[str(d / name)] = fact(d / name)
+                    out[str(d / name)] = self._fact(d / name)
         return out
 
     def _units(self) -> None:
@@ -271,7 +298,7 @@ class Check:
             e = expect_json(data)
             if e is not None:
                 self.expected[path] = e
-                self.observed[path] = facts.get(path, fact(Path(path)))
+                self.observed[path] = facts.get(path) or self._fact(path)
         for path, f in facts.items():
             if path not in units and f.kind != core.ABSENT:
                 self.observed[path] = f
@@ -287,13 +314,14 @@ class Check:
             sha256=hashlib.sha256(kmod.DEPMOD_CONF.encode()).hexdigest(),
             mode=kmod.DEPMOD_CONF_MODE,
         )
-        self.observed[str(conf)] = fact(conf)
+        self.observed[str(conf)] = self._fact(conf)
 
     def run(self) -> list[core.Difference]:
         self._module_tree()
         self._units()
         self._depmod_conf()
         diffs = core.compare(self.expected, self.observed) + self.differences
+        self.direct = {p: e for p, e in self.expected.items() if e.kind == core.FILE}
         # After the comparison: the depmod indexes have their own (regenerating) verdict.
         depmod = self._depmod()
         return sorted([*diffs, *depmod], key=lambda d: (d.path, d.what))

@@ -9,7 +9,9 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +75,117 @@ def sha256_file(path: Path) -> str:
 
 
 def fact(path: Path) -> core.Fact:
-    """lstat (never following a symlink) and, for a regular file, its sha256."""
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return core.Fact(core.ABSENT)
-    mode = stat.S_IMODE(st.st_mode)
-    if stat.S_ISLNK(st.st_mode):
-        return core.Fact(core.SYMLINK, mode, st.st_size, target=os.readlink(path))
-    if stat.S_ISDIR(st.st_mode):
-        return core.Fact(core.DIR, mode)
-    if not stat.S_ISREG(st.st_mode):
-        return core.Fact(core.OTHER, mode)
-    try:
-        digest = sha256_file(path)
-    except FileNotFoundError:  # gone between lstat and open
-        return core.Fact(core.ABSENT)
-    return core.Fact(core.FILE, mode, st.st_size, digest)
+    """lstat (never following a symlink) and, for a regular file, its sha256 (read now)."""
+    return Hashes().fact(str(path))
+
+
+# A file changed this close to when its hash was taken is hashed again next time (git's "racy"
+# entries): a later write in the same timestamp tick could leave size, mtime and ctime as they
+# were. 2 s covers the coarsest timestamps a state directory may sit on.
+RACY_NS = 2_000_000_000
+# Misses worth hashing on more than one core (hashlib and read(2) release the GIL).
+_POOL_BYTES = 4 << 20
+_POOL_THREADS = 4
+
+StatKey = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
+
+
+def _key(st: os.stat_result) -> StatKey:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class Hashes:
+    """Facts of paths, stat first: the sha256 of a regular file is remembered under the stat
+    that cleared it (device, inode, size, mtime, ctime), and a file whose stat is unchanged is
+    not read again.
+
+    A hit never clears a changed file: every write moves ctime (utime can put mtime back, never
+    ctime), a replaced file has another inode, and a hash taken within RACY_NS of the file's
+    last change is not remembered (a write in the same timestamp tick would look unchanged).
+    What stat cannot see (the clock set back, a write to the block device under the
+    filesystem) is for a check that does not `trust` the memory: the periodic one.
+    """
+
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        self._clock = clock
+        self._known: dict[str, tuple[StatKey, str]] = {}
+        self.hashed = 0  # files read and hashed (tests, benchmarks)
+
+    def forget(self) -> None:
+        self._known.clear()
+
+    def retain(self, paths: Iterable[str]) -> None:
+        """Forget the files not among `paths` (those a full check no longer looks at)."""
+        keep = set(paths)
+        for path in [p for p in self._known if p not in keep]:
+            del self._known[path]
+
+    def fact(self, path: str, *, trust: bool = True) -> core.Fact:
+        return self.facts([path], trust=trust)[path]
+
+    def facts(self, paths: Iterable[str], *, trust: bool = True) -> dict[str, core.Fact]:
+        """{path: fact}: lstat each (never following a symlink); a regular file's sha256 from
+        memory when its stat is unchanged and `trust`, else read (on several threads when
+        there is much to read)."""
+        out: dict[str, core.Fact] = {}
+        misses: list[str] = []
+        size = 0
+        for path in paths:
+            try:
+                st = os.lstat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                out[path] = core.Fact(core.ABSENT)
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    out[path] = core.Fact(core.SYMLINK, mode, st.st_size, target=os.readlink(path))
+                except (FileNotFoundError, NotADirectoryError):
+                    out[path] = core.Fact(core.ABSENT)
+            elif stat.S_ISDIR(st.st_mode):
+                out[path] = core.Fact(core.DIR, mode)
+            elif not stat.S_ISREG(st.st_mode):
+                out[path] = core.Fact(core.OTHER, mode)
+            else:
+                known = self._known.get(path) if trust else None
+                if known is not None and known[0] == _key(st):
+                    out[path] = core.Fact(core.FILE, mode, st.st_size, known[1])
+                else:
+                    misses.append(path)
+                    size += st.st_size
+        if len(misses) > 1 and size >= _POOL_BYTES:
+            # One share per thread, not one task per file: a task per small file costs more in
+            # hand-offs than the hashing it spreads.
+            threads = min(len(misses), _POOL_THREADS, os.cpu_count() or 1)
+            shares = [misses[i::threads] for i in range(threads)]
+            with ThreadPoolExecutor(threads, thread_name_prefix="kvcd-hash") as pool:
+                done = dict(zip(misses[:threads], pool.map(self._hash_all, shares), strict=True))
+            hashed = [done[misses[i % threads]][i // threads] for i in range(len(misses))]
+        else:
+            hashed = self._hash_all(misses)
+        for path, (f, key) in zip(misses, hashed, strict=True):
+            out[path] = f
+            if key is not None:
+                self._known[path] = (key, f.sha256)
+            else:
+                self._known.pop(path, None)
+        self.hashed += len(misses)
+        return out
+
+    def _hash_all(self, paths: list[str]) -> list[tuple[core.Fact, StatKey | None]]:
+        buffer = bytearray(_CHUNK)
+        return [self._hash(p, buffer) for p in paths]
+
+    def _hash(self, path: str, buffer: bytearray) -> tuple[core.Fact, StatKey | None]:
+        """The file's fact, read now, and the stat to remember its hash under (None: do not
+        remember it: it changed while it was read, or too recently)."""
+        try:
+            digest, before, after = files.sha256_regular(path, buffer)
+        except FileNotFoundError:  # gone between lstat and open
+            return core.Fact(core.ABSENT), None
+        f = core.Fact(core.FILE, stat.S_IMODE(after.st_mode), after.st_size, digest)
+        settled = self._clock() - max(after.st_mtime_ns, after.st_ctime_ns) > RACY_NS
+        return f, _key(after) if settled and _key(before) == _key(after) else None
 
 
 def fact_json(f: core.Fact) -> dict[str, Any]:
@@ -195,18 +291,15 @@ def is_depmod_output(name: str) -> bool:
     )
 
 
-def depmod_outputs(kernel_dir: Path) -> dict[str, core.Fact]:
-    out: dict[str, core.Fact] = {}
+def depmod_outputs(
+    kernel_dir: Path, hashes: Hashes | None = None, *, trust: bool = True
+) -> dict[str, core.Fact]:
     try:
-        names = sorted(os.listdir(kernel_dir))
+        names = sorted(n for n in os.listdir(kernel_dir) if is_depmod_output(n))
     except (FileNotFoundError, NotADirectoryError):
-        return out
-    for name in names:
-        if is_depmod_output(name):
-            f = fact(kernel_dir / name)
-            if f.kind != core.ABSENT:
-                out[name] = f
-    return out
+        return {}
+    facts = (hashes or Hashes()).facts([str(kernel_dir / n) for n in names], trust=trust)
+    return {n: f for n in names if (f := facts[str(kernel_dir / n)]).kind != core.ABSENT}
 
 
 def normalized_digest(path: Path) -> str:

@@ -51,19 +51,28 @@ class Verdict:
 
 
 class Mailbox:
-    """A thread-safe queue whose arrival wakes a selector (a socketpair byte)."""
+    """A thread-safe queue whose arrival wakes a selector (a socketpair byte).
+
+    Events coalesce: one equal to an event still queued adds nothing. The cycle that drains the
+    queue starts after both were posted, so it sees whatever either announced: a burst of writes
+    to one file is one trigger, with no timer on the way (a debounce window would be latency).
+    """
 
     def __init__(self) -> None:
         import socket  # here: the one-shot verbs import this room for its types only
 
         self._lock = threading.Lock()
         self._queue: deque[Event] = deque()
+        self._queued: set[Event] = set()
         self.rsock, self.wsock = socket.socketpair()
         self.rsock.setblocking(False)
         self.wsock.setblocking(False)
 
     def post(self, event: Event) -> None:
         with self._lock:
+            if event in self._queued:
+                return  # the byte for it is already sent
+            self._queued.add(event)
             self._queue.append(event)
         with contextlib.suppress(BlockingIOError, OSError):
             self.wsock.send(b"e")
@@ -75,6 +84,7 @@ class Mailbox:
         with self._lock:
             out = list(self._queue)
             self._queue.clear()
+            self._queued.clear()
         return out
 
     def pending(self) -> bool:

@@ -158,9 +158,18 @@ class Instance:
         with writing(self.root, self.cfg.name) as w:
             return w.update(edit, create=False)
 
-    def note(self, new_state: str, code: str, detail: str, *, pid: int | None = None) -> Record:
+    def note(
+        self,
+        new_state: str,
+        code: str,
+        detail: str,
+        *,
+        pid: int | None = None,
+        attempt: Attempt | None = None,
+    ) -> Record:
         """Record a state without changing anything on the host (a hold, or an after-hook's
-        finding such as "waiting for links"). Goal, version and modules stay as last recorded."""
+        finding such as "waiting for links"). Goal, version and modules stay as last recorded.
+        `attempt`: the attempt ledger to record in the same write (see settle)."""
         with writing(self.root, self.cfg.name) as w:
             previous = w.read()
             about: dict[str, Any] = {
@@ -172,8 +181,10 @@ class Instance:
             if previous is None:
                 about["version"] = self.cfg.version
                 about["modules"] = [m.kernel_name for m in self.cfg.modules]
+            if attempt is not None:
+                about["attempt"] = attempt
             same = previous is not None and previous.says(new_state, code, detail)
-            return _enter(w, about, new_state, code, detail, quiet=same)
+            return _enter(w, about, new_state, code, detail, quiet=same, record=previous)
 
 
 def _enter(
@@ -184,6 +195,7 @@ def _enter(
     detail: str,
     *,
     quiet: bool = False,
+    record: Record | None = None,
 ) -> Record:
     """Write the instance section of the record (what it is about, its state and reason) and
     say the new state in the journal (not when `quiet`: the same state again)."""
@@ -195,7 +207,7 @@ def _enter(
         record.updated = time.time()
         return True
 
-    record = w.update(edit)
+    record = w.update(edit, record=record)
     assert record is not None  # update creates one
     if quiet:
         return record

@@ -208,10 +208,14 @@ class Writer:
     def read(self) -> Record | None:
         return Record.read(self.root, self.name)
 
-    def update(self, edit: Callable[[Record], bool], *, create: bool = True) -> Record | None:
+    def update(
+        self, edit: Callable[[Record], bool], *, create: bool = True, record: Record | None = None
+    ) -> Record | None:
         """Apply `edit` (False: nothing changed, nothing written) to the record; a new one
-        (Working) when there is none and `create`, else None."""
-        record = self.read()
+        (Working) when there is none and `create`, else None. `record`: the record as this
+        writer read it under the lock held now (not read again)."""
+        if record is None:
+            record = self.read()
         if record is None:
             if not create:
                 return None

@@ -338,8 +338,16 @@ class Service:
         self.retry_at = None  # this is the try (a failure arms the timer again)
         try:
             try:
-                if verdict.verb == HOLD:
-                    record = inst.note(verdict.state, verdict.code, verdict.detail, pid=os.getpid())
+                if verdict.verb == HOLD:  # nothing to fail on the host: the ledger in one write
+                    done = attempts.succeeded(intent)
+                    record = inst.note(
+                        verdict.state,
+                        verdict.code,
+                        verdict.detail,
+                        pid=os.getpid(),
+                        attempt=None if done == self.ledger else done,
+                    )
+                    self.ledger = done
                 else:
                     record = inst.apply(
                         verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail

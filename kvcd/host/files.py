@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -167,6 +168,32 @@ def open_regular(path: Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def sha256_regular(path: str, buffer: bytearray) -> tuple[str, os.stat_result, os.stat_result]:
+    """The sha256 of a regular file (refused and raised as open_regular), read through
+    `buffer`, and its fstat before and after the read (if they differ, it was written
+    meanwhile). Lean on purpose: a drift check runs it once per file it cannot clear by stat."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EMLINK, errno.EISDIR):
+            raise Refused(Path(path), _lstat_describe(Path(path))) from None
+        raise
+    try:
+        before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise Refused(Path(path), describe(before.st_mode))
+        digest = hashlib.sha256()
+        view = memoryview(buffer)
+        while n := os.readv(fd, (buffer,)):
+            digest.update(view[:n])
+        return digest.hexdigest(), before, os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def read_bytes(path: Path) -> bytes | None:

@@ -107,6 +107,28 @@ def test_reads_are_not_changes(tree: tuple[Path, Arrivals[Path], DirWatch]) -> N
     assert d / "a.ko" not in seen.got
 
 
+def test_reads_are_not_even_asked_of_the_kernel(tmp_path: Path) -> None:
+    """A check reads every watched file: no open/close-without-write event reaches the observer
+    threads at all (the inotify mask leaves them out), so reading wakes nothing."""
+    d = tmp_path / "store"
+    d.mkdir()
+    (d / "a.ko").write_bytes(b"module a")
+    seen = Arrivals[Path]()
+    kinds: list[str] = []
+    w = DirWatch([d], seen)
+    real = w._dispatch
+    w._dispatch = lambda event: (kinds.append(event.event_type), real(event))  # type: ignore[method-assign]
+    w.start()
+    try:
+        for _ in range(20):
+            (d / "a.ko").read_bytes()
+        (d / "marker").write_bytes(b"")
+        assert seen.wait_for(d / "marker")
+        assert "opened" not in kinds and "closed_no_write" not in kinds, kinds
+    finally:
+        w.stop()
+
+
 def _until(predicate: Callable[[], bool]) -> bool:
     """Poll a condition for at most WAIT seconds (a bound, not a timing assertion)."""
     end = time.monotonic() + WAIT

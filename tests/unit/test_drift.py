@@ -1,4 +1,4 @@
-"""Drift (issue #5): the pure comparison, debouncing and module judgement as tables; the
+"""Drift (issue #5): the pure comparison, mailbox coalescing and module judgement as tables; the
 monitor extension against a fake host (the MCO mutation table, recovery, force file, ENOSPC,
 udev seam, watch_config); the config keys.
 
@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,14 +32,14 @@ from kvcd.config.loader import (
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
-from kvcd.core.attempts import OBSERVE, RETRY
+from kvcd.core.attempts import OBSERVE, OK, RETRY
 from kvcd.core.state import StepFailed
 from kvcd.daemon import drift, driftstore, extensions, status
-from kvcd.daemon.events import HOLD, SKIP, Context, Event
+from kvcd.daemon.events import HOLD, SKIP, Context, Event, Mailbox
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import journal, kmod, modtree
+from kvcd.host import files, journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, WatchLimit
 from kvcd.host.paths import HostRoot
 from kvcd.host.udev import ModuleEvent, module_event
@@ -160,50 +162,41 @@ def test_judge_modules_refuses_unknown_policy() -> None:
         core.judge_modules({}, {}, policy="ignore")
 
 
-# --- core: debouncer ----------------------------------------------------------------------
+# --- the mailbox coalesces a burst of triggers (no debounce timer) ------------------------
 
-# (operation, key, time) -> result: note -> fires now?; due -> keys firing
-DEBOUNCE_TABLE = [
-    pytest.param([("note", "a", 0.0, True)], None, id="first-event-fires"),
-    pytest.param(
-        [("note", "a", 0.0, True), ("note", "a", 0.01, False), ("due", "", 0.05, ["a"])],
-        None,
-        id="burst-fires-trailing-once",
-    ),
-    pytest.param(
-        [("note", "a", 0.0, True), ("due", "", 0.05, []), ("note", "a", 0.06, True)],
-        None,
-        id="quiet-key-is-forgotten",
-    ),
-    pytest.param(
-        [("note", "a", 0.0, True), ("note", "b", 0.01, True), ("note", "a", 0.02, False)],
-        0.05,
-        id="per-path",
-    ),
-    pytest.param(
-        [
-            ("note", "a", 0.0, True),
-            ("note", "a", 0.01, False),
-            ("due", "", 0.04, []),
-            ("note", "a", 0.045, False),
-            ("due", "", 0.05, ["a"]),
-            ("due", "", 0.1, []),
-        ],
-        None,
-        id="held-events-fire-at-window-end-only",
-    ),
+# posts (source, what), one drain after each group -> what each drain returns
+COALESCE_TABLE = [
+    pytest.param([["a"]], [["a"]], id="one-event"),
+    pytest.param([["a", "a", "a"]], [["a"]], id="burst-of-one-path-is-one-trigger"),
+    pytest.param([["a", "b", "a"]], [["a", "b"]], id="per-path-first-order-kept"),
+    pytest.param([["a"], ["a"]], [["a"], ["a"]], id="posted-after-a-drain-is-a-new-trigger"),
+    pytest.param([[]], [[]], id="nothing"),
 ]
 
 
-@pytest.mark.parametrize(("ops", "deadline"), DEBOUNCE_TABLE)
-def test_debouncer(ops: list[tuple[str, str, float, object]], deadline: float | None) -> None:
-    d: core.Debouncer[str] = core.Debouncer(0.05)
-    for op, key, now, result in ops:
-        if op == "note":
-            assert d.note(key, now) is result, (op, key, now)
-        else:
-            assert d.due(now) == result, (op, now)
-    assert d.next_deadline() == (pytest.approx(deadline) if deadline is not None else None)
+@pytest.mark.parametrize(("groups", "drained"), COALESCE_TABLE)
+def test_mailbox_coalesces(groups: list[list[str]], drained: list[list[str]]) -> None:
+    mail = Mailbox()
+    try:
+        got = []
+        for group in groups:
+            for what in group:
+                mail.post(Event(drift.SOURCE, what))
+            got.append([e.what for e in mail.drain()])
+        assert got == drained
+        assert not mail.pending()
+    finally:
+        mail.close()
+
+
+def test_other_kinds_of_one_path_do_not_coalesce() -> None:
+    mail = Mailbox()
+    try:
+        mail.post(Event(drift.SOURCE, "p"))
+        mail.post(Event(drift.SOURCE, "p", kind=RETRY))
+        assert [e.kind for e in mail.drain()] == [OBSERVE, RETRY]
+    finally:
+        mail.close()
 
 
 # --- a fake host with one loaded instance ---------------------------------------------------
@@ -268,7 +261,7 @@ def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) ->
     FakeWatch.instances.clear()
     Rig.monitors.clear()
     yield root
-    # Every monitor a test started ends with it: no debounce thread outlives its test.
+    # Every monitor a test started ends with it: no watch outlives its test.
     for mon in Rig.monitors:
         mon.stop()
 
@@ -473,6 +466,208 @@ def check_mutation(r: Rig, mutate: Callable[[Rig], object], expect: tuple[str, s
     assert "module bytes" not in v.reason and "evil" not in v.reason.replace("20-evil", "")
 
 
+@pytest.mark.parametrize(("mutate", "expect"), MUTATIONS)
+def test_mutation_table_with_remembered_hashes(
+    host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    """The same table with every file's hash remembered (settled long ago): stat first never
+    clears a change."""
+    r = Rig(host)
+    r.mon.hashes = driftstore.Hashes(clock=lambda: time.time_ns() + 100 * driftstore.RACY_NS)
+    r.mon.validate(r.ctx)
+    before = r.mon.hashes.hashed
+    r.mon.validate(r.ctx)
+    assert r.mon.hashes.hashed == before  # all remembered: nothing read again
+    check_mutation(r, mutate, expect)
+
+
+@pytest.mark.parametrize(("mutate", "expect"), MUTATIONS)
+def test_mutation_table_with_the_files_named(
+    host: HostRoot, mutate: Callable[[Rig], object], expect: tuple[str, str] | None
+) -> None:
+    """Events that name the files: a difference found on a named file alone is Degraded at
+    once, and the full check that follows names what the table expects."""
+    r = Rig(host)
+    assert r.verdict() is None
+    assert r.mon._last is not None
+    named = [Event(drift.SOURCE, p) for p in sorted(r.mon._last.direct)]
+    mutate(r)
+    v = r.verdict(*named)
+    if expect is None:
+        assert v is None, v
+        return
+    assert v is not None and v.verb == HOLD and v.state == state.DEGRADED, v
+    assert v.reason.startswith(f"{state.DRIFT}: "), v.reason
+    r.mon.after(r.ctx, r.record)
+    sweep = [e for e in r.posted if e.what == drift.SWEEP]
+    v = r.verdict(*sweep) if sweep else v
+    what, suffix = expect
+    assert v is not None and v.verb == HOLD
+    assert any(f"{suffix}: {what}" in part for part in v.reason.split("; ")), v.reason
+
+
+def test_a_named_file_is_degraded_without_a_full_check_then_the_full_check_follows(
+    host: HostRoot,
+) -> None:
+    r = Rig(host)
+    ko = r.tree / "kvcd_base.ko"
+    checks = r.mon.checks
+    ko.write_bytes(b"patched")
+    v = r.verdict(Event(drift.SOURCE, str(ko)))
+    assert v is not None and v.state == state.DEGRADED and f"{ko}: content" in v.reason
+    assert r.mon.checks == checks  # proven on the named file alone
+    r.mon.after(r.ctx, r.record)
+    assert [e.what for e in r.posted] == [drift.SWEEP]
+    (r.tree / "kvcd_user.ko").unlink()
+    v = r.verdict(*r.posted)
+    assert r.mon.checks == checks + 1
+    assert v is not None and "kvcd_user.ko: missing" in v.reason and f"{ko}: content" in v.reason
+
+
+NAMED_FULL = [
+    pytest.param(lambda r: None, id="nothing-differs-on-the-named-file"),
+    pytest.param(
+        lambda r: (r.tree / ".kvcd-manifest.json").write_text(
+            (r.tree / ".kvcd-manifest.json").read_text() + " "
+        ),
+        id="the-manifest-changed-since",
+    ),
+    pytest.param(
+        lambda r: driftstore.baseline_path(r.root, NAME).write_text(
+            driftstore.baseline_path(r.root, NAME).read_text() + " "
+        ),
+        id="the-baseline-changed-since",
+    ),
+]
+
+
+@pytest.mark.parametrize("change", NAMED_FULL)
+def test_a_named_file_proves_nothing_unless_the_expectation_holds(
+    host: HostRoot, change: Callable[[Rig], object]
+) -> None:
+    """The full check decides when the named file matches, or when what the expectation was
+    made from changed since (kvcd or someone rewrote the manifest or the baseline)."""
+    r = Rig(host)
+    ko = r.tree / "kvcd_base.ko"
+    change(r)
+    ko.write_bytes(b"patched")
+    checks = r.mon.checks
+    r.verdict(Event(drift.SOURCE, str(ko)))
+    assert r.mon.checks == checks + (0 if change is NAMED_FULL[0].values[0] else 1)
+
+
+# --- the hash memory: stat first, read only what stat cannot clear ---------------------------
+
+
+def _same_size_mtime_restored(path: Path) -> None:
+    st = path.stat()
+    path.write_bytes(b"B" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # ctime moves all the same
+
+
+def _replaced_inode_mtime_restored(path: Path) -> None:
+    st = path.stat()
+    new = path.with_name("new")
+    new.write_bytes(b"B" * st.st_size)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, path)
+
+
+def _chmod(path: Path) -> None:
+    path.chmod(0o600)
+
+
+# (how long after the file's last change the hash was taken, mutation, whether the stat the
+# second look sees is forced to the first one's (a write within one timestamp tick), trust)
+#   -> (the second look's content, whether it read the file again)
+SETTLED = 10 * driftstore.RACY_NS
+CACHE_TABLE = [
+    pytest.param(SETTLED, None, False, True, b"A", False, id="unchanged-is-a-hit"),
+    pytest.param(
+        SETTLED, _same_size_mtime_restored, False, True, b"B", True, id="same-size-mtime-reset"
+    ),
+    pytest.param(
+        SETTLED, _replaced_inode_mtime_restored, False, True, b"B", True, id="replaced-inode"
+    ),
+    pytest.param(SETTLED, _chmod, False, True, b"A", True, id="chmod-moves-ctime"),
+    pytest.param(
+        driftstore.RACY_NS // 4,
+        _same_size_mtime_restored,
+        True,
+        True,
+        b"B",
+        True,
+        id="racy-same-tick-write-caught",
+    ),
+    pytest.param(driftstore.RACY_NS // 4, None, False, True, b"A", True, id="racy-not-remembered"),
+    pytest.param(
+        SETTLED, _same_size_mtime_restored, True, False, b"B", True, id="untrusted-reads-all"
+    ),
+    pytest.param(SETTLED, None, False, False, b"A", True, id="untrusted-reads-unchanged-too"),
+]
+
+
+@pytest.mark.parametrize(("age", "mutate", "same_stat", "trust", "content", "read"), CACHE_TABLE)
+def test_hash_memory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    age: int,
+    mutate: Callable[[Path], None] | None,
+    same_stat: bool,
+    trust: bool,
+    content: bytes,
+    read: bool,
+) -> None:
+    path = tmp_path / "m.ko"
+    path.write_bytes(b"A" * 64)
+    st = os.lstat(path)
+    h = driftstore.Hashes(clock=lambda: max(st.st_mtime_ns, st.st_ctime_ns) + age)
+    first = h.fact(str(path))
+    assert first.sha256 == hashlib.sha256(b"A" * 64).hexdigest()
+    if mutate is not None:
+        mutate(path)
+    if same_stat:  # as if the write landed in the same tick: lstat cannot tell
+        real = os.lstat
+        monkeypatch.setattr(os, "lstat", lambda p: st if str(p) == str(path) else real(p))
+    second = h.fact(str(path), trust=trust)
+    assert second.sha256 == hashlib.sha256(content * 64).hexdigest()
+    assert (h.hashed == 2) is read
+    assert second.mode == stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_hash_memory_forgets_files_no_check_looks_at(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.ko", tmp_path / "b.ko"]
+    for p in paths:
+        p.write_bytes(b"x")
+    h = driftstore.Hashes(clock=lambda: time.time_ns() + SETTLED)
+    h.facts([str(p) for p in paths])
+    h.retain([str(paths[0])])
+    h.facts([str(p) for p in paths])
+    assert h.hashed == 3  # b.ko read again, a.ko remembered
+
+
+def test_many_files_are_hashed_on_several_threads_alike(tmp_path: Path) -> None:
+    """Past the pool threshold the facts are the same as one by one."""
+    paths = []
+    for i in range(6):
+        p = tmp_path / f"m{i}.ko"
+        p.write_bytes(bytes([i]) * (1 << 20))
+        paths.append(str(p))
+    pooled = driftstore.Hashes().facts(paths)
+    assert pooled == {p: driftstore.Hashes().facts([p])[p] for p in paths}
+
+
+def test_the_periodic_check_reads_every_file_again(host: HostRoot) -> None:
+    r = Rig(host)
+    r.mon.hashes = driftstore.Hashes(clock=lambda: time.time_ns() + SETTLED)
+    r.verdict()
+    before = r.mon.hashes.hashed
+    r.verdict()
+    assert r.mon.hashes.hashed == before
+    r.verdict(Event(drift.SOURCE, "timer"))
+    assert r.mon.hashes.hashed > before
+
+
 # --- the system tree (kvcd.toml module_tree = "system") --------------------------------------
 # The instance's files are a copy in /lib/modules/<k>/extra/<instance>/, named by .kvcd-store.
 
@@ -618,6 +813,34 @@ def _service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> tuple[Service, 
 
     monkeypatch.setattr(extensions, "build", build)
     return Service(host, NAME, K, fakehost.RecordingNotifier()), made
+
+
+def test_a_drift_hold_is_one_write_of_the_record_and_none_of_an_unchanged_status(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Degraded and its attempt ledger go to disk together (one atomic write, two fsyncs),
+    and a held cycle that changes nothing the status file says does not rewrite it."""
+    svc, _ = _service(host, monkeypatch)
+    assert svc.reconcile([Event("start")]) is not None
+    written: list[Path] = []
+    real = files.atomic_write
+
+    def spy(path: Path, data: bytes, mode: int = 0o644) -> None:
+        written.append(path)
+        real(path, data, mode)
+
+    monkeypatch.setattr(files, "atomic_write", spy)
+    ko = host.store(NAME) / "1.0" / K / "kvcd_user.ko"
+    for text in (b"edited", b"edited again"):
+        written.clear()
+        ko.write_bytes(text)
+        rec = svc.reconcile([Event(drift.SOURCE, str(ko))])
+        assert rec is not None and rec.state == state.DEGRADED
+        assert written.count(host.state_file(NAME)) == 1
+        assert host.drift_note(NAME) not in written
+        on_disk = Record.read(host, NAME)
+        assert on_disk is not None and on_disk.attempt == svc.ledger
+        assert on_disk.attempt.outcome == OK
 
 
 def test_drift_holds_then_recovers_to_done_without_a_command(
@@ -960,27 +1183,16 @@ def test_interesting(
     assert {host.runtime, r.kdir, r.kdir / "extra", r.tree} <= watched
 
 
-def test_debounced_trigger_posts_once_then_trailing(host: HostRoot) -> None:
-    now = [100.0]
+def test_each_interesting_change_posts_at_once(host: HostRoot) -> None:
+    """No debounce window on the way: every interesting change is a trigger at once (the
+    mailbox coalesces a burst); uninteresting ones post nothing."""
     r = Rig(host)
-    mon = drift.DriftMonitor(r.cfg, r.settings, dirwatch=FakeWatch, udev=None, clock=lambda: now[0])
-    mon.start(r.ctx)
     dep = r.kdir / "modules.dep"
-    mon.on_change(dep)
-    mon.on_change(dep)  # within the window: held, fires once at its end
-    assert [e.what for e in r.posted] == [str(dep)]
-    now[0] += 1.0
-    with mon._cond:
-        mon._cond.notify_all()
-    deadline = 200
-    while len(r.posted) < 2 and deadline:
-        with mon._cond:
-            mon._cond.wait(0.01)
-        deadline -= 1
+    r.mon.on_change(dep)
+    r.mon.on_change(dep)
     assert [e.what for e in r.posted] == [str(dep), str(dep)]
-    mon.on_change(host("/etc/hostname"))
+    r.mon.on_change(host("/etc/hostname"))
     assert len(r.posted) == 2
-    mon.stop()
 
 
 def test_config_edit_reconciles_only_with_watch_config(
