@@ -1,10 +1,10 @@
 """The drift monitor: every file kvcd owns for an instance stays as kvcd left it, or the
 instance goes Degraded and kvcd changes nothing until the disk is right again (README, "Drift").
 
-Watch events (kvcd/host/fswatch.py) and the periodic timer are only triggers: `verdict`
-re-validates the whole instance (driftcheck.Check) before every reconcile. The force file is a
-one-shot request to re-apply; module uevents make /sys/module the judge of out-of-band unloads.
-"""
+Watch events (kvcd/host/fswatch.py) and the timer are triggers: `verdict` checks the files an
+event names first (a proven difference is Degraded at once), then the whole instance
+(driftcheck.Check). The force file is a one-shot request to re-apply; module uevents make
+/sys/module the judge of out-of-band unloads."""
 
 from __future__ import annotations
 
@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = "drift"
 SWEEP = "full check"  # the event that follows a Degraded found on a named file alone
-
-
-# --- the extension ------------------------------------------------------------------------
 
 
 class DriftMonitor(Extension):

@@ -254,8 +254,7 @@ class Service:
     def _after(self, inst: Instance, record: Record | None) -> Record | None:
         """Let each extension amend the outcome (and report it); the last one sees the final.
 
-        With `self.defer_late` (the loop's cycles) the late hooks (Extension.late: reporting,
-        baselines) wait for :meth:`run_late`, after READY=1."""
+        With `self.defer_late` (the loop's cycles) the late hooks wait for :meth:`run_late`."""
         if self.ctx is None:
             return record
         record = record or Record.read(self.root, self.name)
@@ -276,9 +275,8 @@ class Service:
         return record
 
     def run_late(self, record: Record | None) -> Record | None:
-        """The late after-hooks of the last cycle (after READY=1 or the reload's answer):
-        report to the node, take the drift baseline, carry the next kernel. Returns the record
-        as they leave it (a lost drift record amends it)."""
+        """The late after-hooks of the last cycle (after READY=1 or the reload's answer): the
+        node report, the drift baseline, the next kernel. The record as they leave it."""
         inst, self._late = self._late, None
         if inst is None or self.ctx is None:
             return record
@@ -339,14 +337,9 @@ class Service:
         try:
             try:
                 if verdict.verb == HOLD:  # nothing to fail on the host: the ledger in one write
-                    done = attempts.succeeded(intent)
-                    record = inst.note(
-                        verdict.state,
-                        verdict.code,
-                        verdict.detail,
-                        pid=os.getpid(),
-                        attempt=None if done == self.ledger else done,
-                    )
+                    v, done = verdict, attempts.succeeded(intent)
+                    attempt = None if done == self.ledger else done
+                    record = inst.note(v.state, v.code, v.detail, pid=os.getpid(), attempt=attempt)
                     self.ledger = done
                 else:
                     record = inst.apply(
