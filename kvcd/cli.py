@@ -197,11 +197,11 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     if verb in ("check-config", "run"):
         from kvcd.host import pylibs
 
-        try:  # a library kvcd needs is part of the installation, not a feature that may be off
-            if verb == "check-config":  # looks them up: only the daemon pays for importing them
-                pylibs.require_all(pylibs.locate)
-            else:
-                pylibs.require_all()
+        # A library kvcd needs is part of the installation, not a feature that may be off.
+        # Looked up here (importing podman and pyroute2 is most of a start's CPU); `kvcd run`
+        # imports them all right after READY=1 (Service.prove_libraries).
+        try:
+            pylibs.require_all(pylibs.locate)
         except pylibs.Missing as exc:
             print(f"kvcd: {exc}", file=sys.stderr)
             return EXIT_USAGE

@@ -56,6 +56,10 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     from kvcd.daemon.nextkernel import NextKernel
 
     out.append(NextKernel(settings))
+    # Every required library imported for real, after READY=1 (the start only looked them up).
+    from kvcd.daemon.libraries import LibraryProof
+
+    out.append(LibraryProof())
     # The reporter's after-hook runs LAST: it publishes what the other after-hooks set.
     reporter: list[Extension] = [Reporter(link)]
     return out + reporter

@@ -81,7 +81,7 @@ def locate(name: str) -> object:
 
     Raises ModuleNotFoundError worded as `import` words it, for a package that is not
     installed or is blocked in sys.modules. A package that is installed but fails to import is
-    found here; `kvcd run`, which imports every required one, refuses it.
+    found here; `kvcd run` imports every required one after READY=1 and says it (libraries.py).
     """
     import importlib.util
 

@@ -8,6 +8,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,6 +183,30 @@ def test_a_missing_required_library_stops_check_config_and_run(
         "import of psutil halted; None in sys.modules"
     )
     assert Record.read(root, "e2e") is None  # stopped before it did anything
+
+
+def test_a_required_library_that_is_installed_but_broken_degrades_the_running_instance(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start only looks the libraries up; the late hook imports them for real: one that
+    does not import keeps the instance Degraded with its import error, cycle after cycle."""
+    from kvcd.daemon import libraries
+
+    def broken(importer: object = None) -> None:
+        raise pylibs.Missing("kvcd needs the Python package 'podman' (RPM python3-podman) for "
+                             "driver images (podman API): No module named 'requests'")  # fmt: skip
+
+    mods = ["kvcd_base", "kvcd_user"]
+    config = 'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+    root = fakehost.instance_host(HostRoot(tmp_path), K, fake_commands, monkeypatch, config, mods)
+    monkeypatch.setattr(libraries.pylibs, "require_all", broken)
+    svc = Service(root, "e2e", K, fakehost.RecordingNotifier())
+    for _ in range(2):
+        rec = svc.reconcile()
+        assert rec is not None and rec.state == state.DEGRADED, rec
+        assert rec.reason.startswith("HostError: kvcd needs the Python package 'podman'"), rec
+        assert rec.reason.endswith("No module named 'requests'"), rec
+    assert sorted(p.name for p in root.sys_module.iterdir()) == ["kvcd_base", "kvcd_user"]
 
 
 def test_run_refuses_the_kubernetes_backend_without_its_client(
