@@ -50,6 +50,9 @@ for tsv in sorted(rpm.glob("*.files.tsv")):
             tmp = dst.with_name(dst.name + ".rpmnew-e2e")
             shutil.copyfile(src, tmp)
             os.chmod(tmp, stat.S_IMODE(mode))
+            # rpm keeps the payload's mtimes: the shipped bytecode is checked against them.
+            st = os.stat(src)
+            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
             os.replace(tmp, dst)
         n += 1
         if path.endswith("/kvcd/__init__.py"):
