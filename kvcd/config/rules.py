@@ -37,6 +37,18 @@ IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
+# The keys kvcd/config/capsconf.py reads (capabilities, variants, device gating, links,
+# depends_on): a config without any of them never imports it.
+_CAPSCONF_ORDER = (
+    "capabilities",
+    "variants",
+    "requires_device",
+    "unload_on_device_removal",
+    "expect_links",
+    "expect_links_timeout",
+    "depends_on",
+)
+CAPSCONF_KEYS = frozenset(_CAPSCONF_ORDER)
 TOP_KEYS = (
     "version",
     "modules",
@@ -52,27 +64,8 @@ TOP_KEYS = (
     "drain",
     "watch_config",
     "on_external_unload",
-    # capabilities, variants, device gating, links, depends_on: kvcd/config/capsconf.py
-    "capabilities",
-    "variants",
-    "requires_device",
-    "unload_on_device_removal",
-    "expect_links",
-    "expect_links_timeout",
-    "depends_on",
+    *_CAPSCONF_ORDER,
     "kabi",
-)
-# The keys kvcd/config/capsconf.py reads: a config without any of them never imports it.
-CAPSCONF_KEYS = frozenset(
-    (
-        "capabilities",
-        "variants",
-        "requires_device",
-        "unload_on_device_removal",
-        "expect_links",
-        "expect_links_timeout",
-        "depends_on",
-    )
 )
 KABI_MODES = ("weak-updates-first", "rebuild")
 BUILD_KEYS = ("context", "containerfile", "args")
