@@ -73,8 +73,7 @@ class Service:
         # and, after a transient failure, when the back-off ends (wall clock).
         self.ledger: Attempt | None = None
         self.retry_at: float | None = None
-        # The loop runs the late after-hooks itself, after READY=1 (run_late); a reconcile
-        # called on its own (tests, tools) runs every hook.
+        # run() defers the late after-hooks past READY=1 (run_late); a lone reconcile runs all.
         self.defer_late = False
         self._late: Instance | None = None
 
@@ -186,10 +185,8 @@ class Service:
 
     def _build_line(self, line: str) -> None:
         """Build output: into the journal, and proof of life that pushes the start timeout out.
-
         A build that keeps printing gets EXTEND_TIMEOUT_USEC (at most every 30 s); a silent one
-        still meets the unit's TimeoutStartSec.
-        """
+        still meets the unit's TimeoutStartSec."""
         log.info("%s", line.rstrip(), extra=self.fields)
         now = time.monotonic()
         if now - self._extended >= 30.0:
@@ -253,7 +250,6 @@ class Service:
 
     def _after(self, inst: Instance, record: Record | None) -> Record | None:
         """Let each extension amend the outcome (and report it); the last one sees the final.
-
         With `self.defer_late` (the loop's cycles) the late hooks wait for :meth:`run_late`."""
         if self.ctx is None:
             return record
@@ -275,18 +271,21 @@ class Service:
         return record
 
     def run_late(self, record: Record | None) -> Record | None:
-        """The late after-hooks of the last cycle (after READY=1 or the reload's answer): the
-        node report, the drift baseline, the next kernel. The record as they leave it."""
+        """The late after-hooks of the last cycle, after READY=1 or the reload's answer (node
+        report, drift baseline, next kernel): the record one amended, or None when none did."""
         inst, self._late = self._late, None
         if inst is None or self.ctx is None:
-            return record
+            return None
         try:
             with Keepalive(self.notify):
                 current = record or Record.read(self.root, self.name)
-                return self._hooks(inst, current, late=True) if current is not None else None
+                if current is None:
+                    return None
+                after = self._hooks(inst, current, late=True)
+                return None if after is current else after
         except OSError as exc:  # the record could not be amended: the next cycle says it
             log.warning("after the cycle: %s", files.os_error(exc), extra=self.fields)
-            return record
+            return None
 
     # -- reconcile -------------------------------------------------------------------------------
     def reconcile(self, events: list[Event] | None = None) -> Record | None:
@@ -427,9 +426,9 @@ class Service:
                 if started or record is not None:  # not while the first start backs off
                     ready = self._announce(record, ready)
                     started = started or ready
-                late = self.run_late(record)
-                if late is not record and (started or late is not None):
-                    record = late  # a late hook amended it (a lost drift record): say so
+                amended = self.run_late(record)  # a lost drift record, a broken library
+                if amended is not None and (started or record is not None):
+                    record = amended
                     ready = self._announce(record, ready)
                     started = started or ready
                 events: list[Event] = []

@@ -679,6 +679,47 @@ def test_a_full_disk_is_retried_with_backoff_not_a_crash(
     assert rec.attempt.outcome == "ok" and svc.retry_at is None
 
 
+def test_a_first_start_backing_off_sends_ready_only_once_settled(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient failure at the first start: the late hooks run after it (the node hears
+    of it), but READY=1 waits for the back-off's try and goes out with the settled outcome."""
+    import errno
+
+    class Late(Scripted):
+        late = True
+
+    def stop_when_done(count: int, _events: list[Event]) -> None:
+        if count == 3:
+            sigterm()
+
+    late = Late(on_verdict=stop_when_done)
+    use(monkeypatch, late)
+    real = Record.write
+    failures = {"left": 1}  # the Working record; the failure's Degraded one is written
+
+    def write(self: Record, root: HostRoot) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
+        real(self, root)
+
+    monkeypatch.setattr(Record, "write", write)
+    n = fakehost.RecordingNotifier()
+    svc = Service(host, "e2e", K, n, backoff=Backoff(first=0.2, cap=0.2))
+
+    def poke() -> None:  # a third cycle after Done, whose verdict stops the loop
+        time.sleep(1.0)
+        assert late.ctx is not None
+        late.ctx.post(Event("poke"))
+
+    threading.Thread(target=poke, daemon=True).start()
+    assert svc.run() == 0
+    assert late.records[0][0] == state.DEGRADED  # the failure reached the late hooks
+    at = n.sent.index("READY=1")
+    assert n.sent[at + 1].startswith("STATUS=Done"), n.sent
+
+
 def test_a_full_state_directory_keeps_the_truth_in_run_until_it_has_room(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
