@@ -49,7 +49,7 @@ class Requirement:
 
 PODMAN = Package("podman", "podman", "python3-podman")
 PYELFTOOLS = Package("elftools.elf.elffile", "pyelftools", "python3-pyelftools")
-WATCHDOG = Package("watchdog.observers.inotify", "watchdog", "python3-watchdog")
+INOTIFY = Package("inotify_simple", "inotify_simple", "python3-inotify_simple")
 PYUDEV = Package("pyudev", "pyudev", "python3-pyudev")
 PSUTIL = Package("psutil", "psutil", "python3-psutil")
 PYROUTE2 = Package("pyroute2", "pyroute2", "python3-pyroute2")
@@ -61,7 +61,7 @@ PYGOBJECT = Package("gi.repository.GLib", "PyGObject", "python3-gobject")
 REQUIRED: tuple[Requirement, ...] = (
     Requirement("driver images (podman API)", (PODMAN,)),
     Requirement("module files (ELF)", (PYELFTOOLS,)),
-    Requirement("drift monitor (inotify)", (WATCHDOG,)),
+    Requirement("drift monitor (inotify)", (INOTIFY,)),
     Requirement("udev module and device events", (PYUDEV,)),
     Requirement("holder checks", (PSUTIL,)),
     Requirement("link readiness (netlink)", (PYROUTE2,)),

@@ -5,7 +5,7 @@
 (node.json.lock; the JSON file itself is replaced atomically, so a lock on its inode would be
 lost with the rename), so read-modify-write cycles never lose each other's keys. Readers that do
 not lock still see a whole file (tmp + fsync + rename). Changes are noticed by inotify on the
-directory (watchdog), filtered to node.json.
+directory (kvcd.host.fswatch), filtered to node.json.
 """
 
 from __future__ import annotations
@@ -15,12 +15,15 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcd.core import state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, apply_patch, changes
+
+if TYPE_CHECKING:
+    from kvcd.host.fswatch import DirWatch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ class FileBackend(Backend):
         self.name = name
         self.path = node_file(root)
         self.lock = self.path.with_name(self.path.name + ".lock")
-        self._watch: Any = None
+        self._watch: DirWatch | None = None
 
     # --- reading -------------------------------------------------------------------------------
     def _parse(self, *, new_labels: bool = False) -> dict[str, Any]:
@@ -147,41 +150,32 @@ class FileBackend(Backend):
 
     # --- watching ------------------------------------------------------------------------------
     def watch(self, on_change: Callable[[NodeView], None]) -> None:
-        """inotify (watchdog) on the state directory, filtered to node.json. Each change is
-        re-read whole; the caller compares what it cares about."""
-        from watchdog.events import FileSystemEventHandler
-        from watchdog.observers.inotify import InotifyObserver
+        """inotify (kvcd.host.fswatch) on the state directory, filtered to node.json. Each
+        change is re-read whole; the caller compares what it cares about."""
+        from kvcd.host.fswatch import DirWatch
 
-        target = os.path.abspath(self.path)
-        owner = self
+        target = Path(os.path.abspath(self.path))
 
-        class _Handler(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                paths = {os.fsdecode(event.src_path), os.fsdecode(getattr(event, "dest_path", ""))}
-                if target not in paths:
-                    return
-                try:
-                    view = owner.read()
-                except Unavailable as exc:
-                    log.warning("node file changed but cannot be read: %s", exc)
-                    return
-                on_change(view)
+        def changed(path: Path) -> None:
+            if path != target:
+                return
+            try:
+                view = self.read()
+            except Unavailable as exc:
+                log.warning("node file changed but cannot be read: %s", exc)
+                return
+            on_change(view)
 
         # kvcd owns /var/lib/kvcd: create it so the watch never has to follow it appearing.
         files.ensure_dir(self.path.parent)
-        observer = InotifyObserver()
-        observer.schedule(_Handler(), str(self.path.parent), recursive=False)
-        observer.daemon = True
-        observer.start()
-        self._watch = observer
+        watch = DirWatch([target.parent], changed)
+        watch.start()
+        self._watch = watch
 
     def stop(self) -> None:
-        observer, self._watch = self._watch, None
-        if observer is not None:
-            observer.stop()
-            observer.join(timeout=5)
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
 
     def event(self, reason: str, message: str, *, warning: bool = False) -> None:
         # Standalone: the journal is the event log (the daemon logs every state change already).

@@ -1,5 +1,6 @@
-"""The file node backend on the real filesystem: real inotify (watchdog) and several processes
-writing node.json at once (flock + atomic replace), as many `kvcd@` processes on one node do."""
+"""The file node backend on the real filesystem: real inotify (kvcd.host.fswatch) and several
+processes writing node.json at once (flock + atomic replace), as many `kvcd@` processes on one
+node do."""
 
 from __future__ import annotations
 

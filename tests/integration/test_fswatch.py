@@ -1,4 +1,4 @@
-"""Real inotify (through watchdog) on this machine: DirWatch sees the MCO mutation table,
+"""Real inotify (through inotify_simple) on this machine: DirWatch sees the MCO mutation table,
 re-arms a directory that is deleted and recreated (or did not exist yet), ignores reads; and
 the drift monitor turns a real write into a Degraded verdict.
 
@@ -21,7 +21,7 @@ from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.daemon import drift, driftcheck
 from kvcd.daemon.events import HOLD, Context, Event
-from kvcd.host.fswatch import DirWatch
+from kvcd.host.fswatch import DirWatch, Hub
 from kvcd.host.paths import HostRoot
 
 pytestmark = pytest.mark.integration
@@ -108,23 +108,24 @@ def test_reads_are_not_changes(tree: tuple[Path, Arrivals[Path], DirWatch]) -> N
 
 
 def test_reads_are_not_even_asked_of_the_kernel(tmp_path: Path) -> None:
-    """A check reads every watched file: no open/close-without-write event reaches the observer
-    threads at all (the inotify mask leaves them out), so reading wakes nothing."""
+    """A check reads every watched file: no open, access or close-without-write event reaches
+    the reader thread at all (the inotify mask leaves them out), so reading wakes nothing."""
     d = tmp_path / "store"
     d.mkdir()
     (d / "a.ko").write_bytes(b"module a")
     seen = Arrivals[Path]()
-    kinds: list[str] = []
+    masks: list[int] = []
     w = DirWatch([d], seen)
-    real = w._dispatch
-    w._dispatch = lambda event: (kinds.append(event.event_type), real(event))  # type: ignore[method-assign]
+    real = w.deliver
+    w.deliver = lambda raws: (masks.extend(m for _wd, m, _n in raws), real(raws))  # type: ignore[method-assign]
     w.start()
     try:
         for _ in range(20):
             (d / "a.ko").read_bytes()
         (d / "marker").write_bytes(b"")
         assert seen.wait_for(d / "marker")
-        assert "opened" not in kinds and "closed_no_write" not in kinds, kinds
+        reads = 0x1 | 0x10 | 0x20  # IN_ACCESS, IN_CLOSE_NOWRITE, IN_OPEN
+        assert masks and not [m for m in masks if m & reads], [hex(m) for m in masks]
     finally:
         w.stop()
 
@@ -301,8 +302,8 @@ def test_an_idle_daemon_gets_no_events_from_kvcds_own_writes(
 
 
 def test_a_watched_directory_does_not_echo_its_entries(tmp_path: Path) -> None:
-    """watchdog reports "modified" on a watched directory for each entry event; only the entry
-    is reported, also for a directory watched as the parent of a watched one (a next kernel's
+    """Only the entry is reported, not the directory it is in, also for a directory watched as
+    the parent of a watched one (a next kernel's
     tree staged beside the active one must not look like a change of the instance's store)."""
     store = tmp_path / "store"
     version = store / "1.0"
@@ -327,20 +328,18 @@ def test_a_directory_gone_before_its_watch_takes_is_no_crash(tmp_path: Path) -> 
     """rm -r while the watches are re-armed: inotify_add_watch fails with ENOENT for the
     directory just seen. The observer thread lives on, the ancestor is watched instead, and
     later events still arrive (the thread once died here and every later event was lost)."""
-    from watchdog.observers.inotify import InotifyObserver
-
     target = tmp_path / "x" / "y"
     raced: list[Path] = []
 
-    class Racing(InotifyObserver):  # type: ignore[misc]
-        def schedule(self, handler: Any, path: str, **kw: Any) -> Any:
-            if Path(path) == target and not raced:  # it goes away just before the watch
+    class Racing(Hub):
+        def _add_watch(self, path: Path) -> int:
+            if path == target and not raced:  # it goes away just before the watch
                 raced.append(target)
                 shutil.rmtree(target)
-            return super().schedule(handler, path, **kw)
+            return super()._add_watch(path)
 
     seen = Arrivals[Path]()
-    w = DirWatch([target], seen, observer_factory=Racing)
+    w = DirWatch([target], seen, hub=Racing())
     w.start()
     try:
         target.mkdir(parents=True)
@@ -351,5 +350,95 @@ def test_a_directory_gone_before_its_watch_takes_is_no_crash(tmp_path: Path) -> 
         assert _until(lambda: target in w.watched()), w.watched()
         (target / "f").write_text("x")
         assert seen.wait_for(target / "f"), (seen.got, w.watched())
+    finally:
+        w.stop()
+
+
+# --- one inotify instance and one reader thread for the process (#20) -------------------------
+
+
+def _readers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvcd-inotify"]
+
+
+def test_every_watch_shares_one_reader_thread(tmp_path: Path) -> None:
+    """A daemon watches a dozen directories or more: they share one inotify instance and one
+    thread (watchdog ran an emitter thread per directory, plus two per observer)."""
+    dirs = [tmp_path / f"d{i}" for i in range(12)]
+    for d in dirs:
+        d.mkdir()
+    seen = Arrivals[Path]()
+    watches = [DirWatch([d], seen) for d in dirs]
+    before = {t.ident for t in threading.enumerate()}
+    for w in watches:
+        w.start()
+    try:
+        new = [t for t in threading.enumerate() if t.ident not in before]
+        # At most the process hub's reader, started by the first watch of the process (a test
+        # that made a hub of its own left that one's reader idle).
+        assert len(new) <= 1 and all(t.name == "kvcd-inotify" for t in new), new
+        assert _readers(), threading.enumerate()
+        for d in dirs:
+            (d / "f").write_text("x")
+        for d in dirs:
+            assert seen.wait_for(d / "f"), seen.got
+    finally:
+        for w in watches:
+            w.stop()
+
+
+def test_a_directory_two_watches_share_keeps_the_other_when_one_stops(tmp_path: Path) -> None:
+    """inotify gives one descriptor per inode: the watch on a directory two DirWatches share is
+    removed with its last subscriber, not with the first one that stops."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    first, second = Arrivals[Path](), Arrivals[Path]()
+    a, b = DirWatch([d], first), DirWatch([d], second)
+    a.start()
+    b.start()
+    try:
+        a.stop()
+        (d / "after").write_text("x")
+        assert second.wait_for(d / "after"), second.got
+        assert b.sync(WAIT)
+        assert first.got == []
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_move_out_is_reported_at_once(tmp_path: Path) -> None:
+    """A file moved out of a watched directory is gone from it now: reported without waiting
+    for a matching move into a watched directory (watchdog held it back ~0.5 s for that)."""
+    d = tmp_path / "store"
+    d.mkdir()
+    (d / "a.ko").write_bytes(b"a")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    seen = Arrivals[Path]()
+    w = DirWatch([d], seen)
+    w.start()
+    try:
+        os.rename(d / "a.ko", elsewhere / "a.ko")
+        assert seen.wait_for(d / "a.ko"), seen.got
+        assert elsewhere / "a.ko" not in seen.got
+    finally:
+        w.stop()
+
+
+def test_a_lost_event_queue_reports_every_directory(tmp_path: Path) -> None:
+    """IN_Q_OVERFLOW (the kernel dropped events): every watched directory is reported, so the
+    caller re-validates all of it rather than trusting what it last saw."""
+    from kvcd.host.fswatch import IN_Q_OVERFLOW
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    seen = Arrivals[Path]()
+    w = DirWatch(dirs, seen)
+    w.start()
+    try:
+        w.deliver([(-1, IN_Q_OVERFLOW, "")])
+        assert set(dirs) <= set(seen.got), seen.got
     finally:
         w.stop()

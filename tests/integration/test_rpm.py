@@ -268,7 +268,7 @@ def test_dependencies(built: Built) -> None:
         "python3-pyelftools",
         "python3-pyudev",
         "python3-pyroute2",
-        "python3-watchdog",
+        "python3-inotify_simple",
         "python3-psutil",
         "/usr/bin/python3",
     } <= requires

@@ -35,7 +35,7 @@ CLIENTS = (
     "pyudev",
     "pyroute2",
     "elftools",
-    "watchdog",
+    "inotify_simple",
     "psutil",
     "pydbus",
     "gi",

@@ -40,7 +40,7 @@ from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
 from kvcd.host import files, journal, kmod, modtree
-from kvcd.host.fswatch import DirWatch, WatchLimit
+from kvcd.host.fswatch import DirWatch, Hub, WatchLimit
 from kvcd.host.paths import HostRoot
 from kvcd.host.udev import ModuleEvent, module_event
 from tests import fakehost
@@ -1021,60 +1021,44 @@ def test_first_start_on_a_prepared_kernel_is_not_drift(host: HostRoot) -> None:
 # --- watch limit (ENOSPC) -----------------------------------------------------------------
 
 
-class LimitedObserver:
-    """A watchdog observer whose watches fail the way inotify_add_watch does at the limit."""
+class LimitedHub(Hub):
+    """A hub whose inotify fails the way inotify_add_watch (a watch) or inotify_init1 (an
+    instance) does at the limit."""
 
-    def __init__(self, err: int = errno.ENOSPC) -> None:
+    def __init__(self, err: int = errno.ENOSPC, *, at_open: bool = False) -> None:
+        super().__init__()
         self.err = err
-        self.alive = False
+        self.at_open = at_open
 
-    def start(self) -> None:
-        self.alive = True
+    def _open(self) -> Any:
+        if self.at_open:
+            raise OSError(self.err, "inotify instance limit reached")
+        return super()._open()
 
-    def schedule(self, *_a: Any, **_k: Any) -> Any:
+    def _add_watch(self, path: Path) -> int:
         raise OSError(self.err, "inotify watch limit reached")
-
-    def unschedule(self, _w: Any) -> None:
-        return None
-
-    def stop(self) -> None:
-        self.alive = False
-
-    def is_alive(self) -> bool:
-        return self.alive
-
-    def join(self, timeout: float | None = None) -> None:
-        return None
-
-
-def no_instance_left() -> LimitedObserver:
-    """watchdog 7's InotifyObserver opens its inotify fd in its constructor: at the instance
-    limit (max_user_instances) the observer cannot even be made."""
-    raise OSError(errno.EMFILE, "inotify instance limit reached")
 
 
 @pytest.mark.parametrize(
-    "factory",
+    "hub",
     [
-        pytest.param(lambda: LimitedObserver(errno.ENOSPC), id="watch-limit"),
-        pytest.param(lambda: LimitedObserver(errno.EMFILE), id="instance-limit-at-watch"),
-        pytest.param(no_instance_left, id="instance-limit-at-observer"),
+        pytest.param(lambda: LimitedHub(errno.ENOSPC), id="watch-limit"),
+        pytest.param(lambda: LimitedHub(errno.EMFILE), id="instance-limit-at-watch"),
+        pytest.param(lambda: LimitedHub(errno.EMFILE, at_open=True), id="instance-limit-at-open"),
     ],
 )
-def test_dirwatch_start_raises_watchlimit(
-    tmp_path: Path, factory: Callable[[], LimitedObserver]
-) -> None:
-    w = DirWatch([tmp_path], lambda _p: None, observer_factory=factory)
+def test_dirwatch_start_raises_watchlimit(tmp_path: Path, hub: Callable[[], Hub]) -> None:
+    w = DirWatch([tmp_path], lambda _p: None, hub=hub())
     with pytest.raises(WatchLimit, match="inotify limit"):
         w.start()
-    assert not w.running and w.limited
+    assert not w.running and w.limited and w.watched() == []
 
 
 def test_watch_limit_keeps_running_on_periodic_checks(
     host: HostRoot, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def limited(dirs: list[Path], cb: Callable[[Path], None], **kw: Any) -> DirWatch:
-        return DirWatch(dirs, cb, observer_factory=LimitedObserver, **kw)
+        return DirWatch(dirs, cb, hub=LimitedHub(), **kw)
 
     cfg = load_instance(host, NAME)
     settings = parse_settings_toml(host.main_config, "drift_interval = 120\n")

@@ -57,9 +57,9 @@ REQUIRED_TABLE = [
         "(ELF): No module named 'elftools'",
     ),
     (
-        "watchdog",
-        "kvcd needs the Python package 'watchdog' (RPM python3-watchdog) for drift monitor "
-        "(inotify): No module named 'watchdog'",
+        "inotify_simple",
+        "kvcd needs the Python package 'inotify_simple' (RPM python3-inotify_simple) for drift "
+        "monitor (inotify): No module named 'inotify_simple'",
     ),
     (
         "pyudev",
