@@ -34,6 +34,7 @@ BENCHES: list[tuple[str, list[str]]] = [
     ("bench_node", ["--runs", "2"]),
     ("bench_extract", ["--runs", "3"]),  # podman
     ("bench_soak", ["--cycles", "30"]),  # podman; --full: 1,000 cycles, ~20 min
+    ("bench_rss", ["--settle", "10"]),  # podman
 ]
 
 

@@ -199,7 +199,7 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
 
         # A library kvcd needs is part of the installation, not a feature that may be off.
         # Looked up here (importing podman and pyroute2 is most of a start's CPU); `kvcd run`
-        # imports them all right after READY=1 (Service.prove_libraries).
+        # has a child interpreter import them all after READY=1 (kvcd/daemon/libraries.py).
         try:
             pylibs.require_all(pylibs.locate)
         except pylibs.Missing as exc:

@@ -1,13 +1,15 @@
 """pylibs: the Python libraries kvcd runs on, and whether this interpreter can import them.
 
-The room for kvcd's own installation. It may touch: the import system (importlib), nothing on
-the host. The table is the one place that says which library serves which capability and what
-to install (pip name, Fedora/RHEL RPM name); pyproject.toml's dependencies and rpm.spec's
-Requires list the same required set (tests/unit/test_pylibs.py checks both).
+The room for kvcd's own installation. It may touch: the import system (importlib) and a child
+interpreter of its own (kvcd.host.run), nothing else on the host. The table is the one place
+that says which library serves which capability and what to install (pip name, Fedora/RHEL RPM
+name); pyproject.toml's dependencies and rpm.spec's Requires list the same required set
+(tests/unit/test_pylibs.py checks both).
 
-Required libraries are imported at the start of `kvcd run` and looked up (:func:`locate`) by
-`kvcd check-config`: a missing one is an error there, never a capability that quietly stays
-off later. Optional ones are needed only by a setting (the kubernetes client by
+Required libraries are looked up (:func:`locate`) at the start of `kvcd run` and by `kvcd
+check-config`: a missing one is an error there, never a capability that quietly stays off
+later; a settled daemon then has a child import them all (:func:`require_all_in_child`).
+Optional ones are needed only by a setting (the kubernetes client by
 ``node_backend = "kubernetes"``), which is then refused with the same one-line text, or have a
 real alternative path that is logged and shown in `kvcd status` (pydbus: the rpm-ostree CLI
 answers what its D-Bus API would).
@@ -16,6 +18,7 @@ answers what its D-Bus API would).
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +140,49 @@ def require_all(importer: Importer = importlib.import_module) -> None:
     problems = required_problems(importer)
     if problems:
         raise Missing("; ".join(problems))
+
+
+# The child of :func:`require_all_in_child`: argv[1] is the daemon's sys.path (JSON), the rest
+# the modules; it prints {module: why it does not import, or null} as one JSON line.
+_PROBE = """\
+import importlib, json, sys
+sys.path[:] = json.loads(sys.argv[1])
+why = {}
+for name in sys.argv[2:]:
+    try:
+        importlib.import_module(name)
+        why[name] = None
+    except ImportError as exc:
+        why[name] = str(exc) or type(exc).__name__
+    except Exception as exc:
+        why[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(why))
+"""
+CHILD_TIMEOUT = 300.0  # seconds: importing them all takes seconds in a TCG guest
+
+
+def require_all_in_child(timeout: float = CHILD_TIMEOUT) -> None:
+    """:func:`require_all`, the imports done by a child of this interpreter (its executable,
+    its sys.path): `kvcd run` learns whether every required library imports without keeping
+    them resident (issue #20: podman-py with requests, and pyroute2, are most of a daemon's
+    memory, and a cached start needs neither). A child that gives no answer is the problem."""
+    from kvcd.host import run
+
+    modules = [p.module for r in REQUIRED for p in r.packages]
+    argv = [sys.executable, "-c", _PROBE, json.dumps(sys.path), *modules]
+    try:
+        done = run.run(argv, timeout=timeout)
+        why: dict[str, str | None] = json.loads(done.stdout.strip().splitlines()[-1])
+    except (run.CommandError, ValueError, IndexError) as exc:
+        raise Missing(f"kvcd could not import its required libraries in a child: {exc}") from exc
+
+    def answered(name: str) -> object:
+        text = why.get(name, "the child did not try it")
+        if text is not None:
+            raise ImportError(text)
+        return None
+
+    require_all(answered)
 
 
 def setting_problem(

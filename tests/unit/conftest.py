@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from kvcd.host import pylibs
 from kvcd.host.paths import HostRoot
+
+
+@pytest.fixture(autouse=True)
+def _libraries_proven_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon's late hook proves its libraries in a child interpreter, which a unit test may
+    not start: here the same imports in this process (tests/integration/test_daemon_imports.py
+    runs the child)."""
+    monkeypatch.setattr(pylibs, "require_all_in_child", lambda timeout=0.0: pylibs.require_all())
 
 
 @pytest.fixture

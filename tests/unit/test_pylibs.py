@@ -188,18 +188,19 @@ def test_a_missing_required_library_stops_check_config_and_run(
 def test_a_required_library_that_is_installed_but_broken_degrades_the_running_instance(
     tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The start only looks the libraries up; the late hook imports them for real: one that
-    does not import keeps the instance Degraded with its import error, cycle after cycle."""
+    """The start only looks the libraries up; the late hook has a child import them for real:
+    one that does not import keeps the instance Degraded with its import error, cycle after
+    cycle (tests/integration/test_daemon_imports.py: the child itself)."""
     from kvcd.daemon import libraries
 
-    def broken(importer: object = None) -> None:
+    def broken(timeout: float = 0) -> None:
         raise pylibs.Missing("kvcd needs the Python package 'podman' (RPM python3-podman) for "
                              "driver images (podman API): No module named 'requests'")  # fmt: skip
 
     mods = ["kvcd_base", "kvcd_user"]
     config = 'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
     root = fakehost.instance_host(HostRoot(tmp_path), K, fake_commands, monkeypatch, config, mods)
-    monkeypatch.setattr(libraries.pylibs, "require_all", broken)
+    monkeypatch.setattr(libraries.pylibs, "require_all_in_child", broken)
     svc = Service(root, "e2e", K, fakehost.RecordingNotifier())
     for _ in range(2):
         rec = svc.reconcile()

@@ -1,0 +1,159 @@
+"""A settled `kvcd run` daemon keeps only what it uses resident (issue #20: RSS per daemon).
+
+The late hook that proves every required library imports (kvcd/daemon/libraries.py) has a
+child interpreter import them: podman-py with requests, and pyroute2, would otherwise be most
+of the daemon's memory for as long as it runs, and a cached start needs none of them. A real
+`kvcd run` process on a scratch root (fake modprobe/depmod, the version already in the store),
+and the modules it had imported once its late hooks were done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvcd.host import pylibs
+from kvcd.host.paths import HostRoot
+from tests import fakehost
+
+pytestmark = pytest.mark.integration
+
+K = "6.1.0-56-amd64"
+REPO = Path(__file__).resolve().parents[2]
+MODS = ["kvcd_base", "kvcd_user"]
+CONFIG = 'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n[build]\ncontext = "/src"\n'
+
+# The clients a cached start of a plain config (no links, no device gating) does not use.
+RESIDENT_NEVER = (
+    "podman",
+    "requests",
+    "urllib3",
+    "rich",
+    "pyroute2",
+    "pyudev",
+    "elftools",
+    "psutil",
+    "kubernetes",
+    "pydbus",
+    "gi",
+)
+
+# `kvcd run`, writing sys.modules to $KVCD_MODULES_TO once the late hooks of a cycle are done.
+PROBE = """\
+import json, os, sys
+from kvcd.daemon import service
+
+late = service.Service.run_late
+
+def run_late(self, record):
+    out = late(self, record)
+    to = os.environ["KVCD_MODULES_TO"]
+    with open(to + ".tmp", "w") as f:
+        json.dump(sorted(sys.modules), f)
+    os.replace(to + ".tmp", to)
+    return out
+
+service.Service.run_late = run_late
+from kvcd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def settled_daemon(tmp: Path, pythonpath: list[Path]) -> tuple[set[str], dict[str, object]]:
+    """(modules imported, record) of a `kvcd run e2e` whose late hooks have run."""
+    root = HostRoot(tmp / "root")
+    fakehost.make_host(root, K)
+    fakehost.store_version(root, "e2e", "1.0", K, MODS)
+    fakehost.write_config(root, "e2e", CONFIG)
+    bindir = tmp / "bin"
+    bindir.mkdir()
+    for name, body in fakehost.SCRIPTS.items():
+        fakehost.write_command(bindir, name, body, tmp / "calls.log")
+    to = tmp / "modules.json"
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "FAKE_ROOT": str(root.root),
+        "PYTHONPATH": os.pathsep.join(str(p) for p in [*pythonpath, REPO]),
+        "KVCD_MODULES_TO": str(to),
+    }
+    env.pop("NOTIFY_SOCKET", None)
+    with open(tmp / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, "--root", str(root.root), "run", "e2e"],
+            env=env,
+            cwd=tmp,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not to.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert to.exists(), (tmp / "stderr").read_text()[-3000:]
+        modules = set(json.loads(to.read_text()))
+        record = json.loads(root.state_file("e2e").read_text())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return modules, record
+
+
+def resident(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in RESIDENT_NEVER)
+
+
+def test_a_settled_daemon_has_proven_its_libraries_without_importing_them(
+    tmp_path: Path,
+) -> None:
+    modules, record = settled_daemon(tmp_path, [])
+    assert record["state"] == "Done", record
+    assert "kvcd.daemon.libraries" in modules  # the proof ran
+    assert resident(modules) == []
+
+
+def test_a_broken_library_degrades_the_daemon_with_its_import_error_and_stays_out(
+    tmp_path: Path,
+) -> None:
+    """Installed (the start's look-up finds it) but not importable: the child's import error,
+    the instance Degraded (HostError), and the daemon itself never imported it."""
+    shadow = tmp_path / "shadow"
+    fakehost.write(shadow / "pyudev" / "__init__.py", "raise ImportError('libudev.so.1: gone')\n")
+    modules, record = settled_daemon(tmp_path, [shadow])
+    assert record["state"] == "Degraded", record
+    assert record["reason"] == (
+        "HostError: kvcd needs the Python package 'pyudev' (RPM python3-pyudev) for udev module "
+        "and device events: libudev.so.1: gone"
+    ), record
+    assert resident(modules) == []
+
+
+def test_the_child_proof_names_each_library_that_does_not_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shadow = tmp_path / "shadow"
+    fakehost.write(shadow / "psutil" / "__init__.py", "raise ImportError('built for 3.6')\n")
+    fakehost.write(shadow / "pyroute2" / "__init__.py", "1 / 0\n")
+    monkeypatch.syspath_prepend(str(shadow))  # the child gets this interpreter's sys.path
+    with pytest.raises(pylibs.Missing) as exc:
+        pylibs.require_all_in_child()
+    assert str(exc.value) == (
+        "kvcd needs the Python package 'psutil' (RPM python3-psutil) for holder checks: "
+        "built for 3.6; kvcd needs the Python package 'pyroute2' (RPM python3-pyroute2) for "
+        "link readiness (netlink): ZeroDivisionError: division by zero"
+    )
+
+
+def test_a_child_that_gives_no_answer_is_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(pylibs.Missing) as exc:
+        pylibs.require_all_in_child()
+    assert str(exc.value) == (
+        "kvcd could not import its required libraries in a child: /bin/false exited 1: no output"
+    )
