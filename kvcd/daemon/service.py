@@ -96,6 +96,7 @@ class Service:
         events."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.notify.watchdog_interval()
+        self.notify.watchdog()  # the interval below counts from here (see Keepalive)
         while not self._pending and not self.mail.pending():
             now = time.monotonic()
             if self._post_due_timers(now):

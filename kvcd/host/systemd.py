@@ -218,7 +218,13 @@ def _status(text: str | None) -> tuple[str, ...]:
 
 
 class Keepalive:
-    """Feeds the watchdog from a thread while the main thread is inside a long step (a build)."""
+    """Feeds the watchdog from a thread while the main thread is inside a long step (a build).
+
+    It pings when it takes over from the main loop and when it hands back: each side counts its
+    interval from its own start, so a handover without a ping could leave two intervals (the
+    whole WatchdogSec) between pings. Twenty instances starting at once in a 2-core guest had
+    systemd kill daemons in the middle of an extraction that way.
+    """
 
     def __init__(self, notifier: Notifier) -> None:
         self.notify = notifier
@@ -228,6 +234,7 @@ class Keepalive:
     def __enter__(self) -> Keepalive:
         interval = self.notify.watchdog_interval()
         if interval:
+            self.notify.watchdog()
             self._thread = threading.Thread(target=self._feed, args=(interval,), daemon=True)
             self._thread.start()
         return self
@@ -240,3 +247,4 @@ class Keepalive:
         self._stop.set()
         if self._thread:
             self._thread.join()
+            self.notify.watchdog()

@@ -220,3 +220,36 @@ def test_repr_shows_abstract_address_readably() -> None:
 )
 def test_under_systemd(env: dict[str, str], expected: bool) -> None:
     assert under_systemd(env) is expected
+
+
+class _Counting(Notifier):
+    """A notifier with a long watchdog interval that counts its pings."""
+
+    def __init__(self) -> None:
+        super().__init__(None, watchdog_usec=180_000_000, pid=ME)
+        self.pings = 0
+
+    def watchdog(self) -> None:
+        self.pings += 1
+
+
+def test_keepalive_pings_when_it_takes_over_and_when_it_hands_back() -> None:
+    """Each side counts its interval from its own start: without a ping at each handover, the
+    main loop's last ping and the keepalive's first could be two intervals apart, the whole
+    WatchdogSec (a 2-core guest starting twenty instances had daemons killed that way)."""
+    from kvcd.host.systemd import Keepalive
+
+    n = _Counting()
+    with Keepalive(n):
+        assert n.pings == 1  # at once, not one interval (90 s here) later
+    assert n.pings == 2
+
+
+def test_keepalive_without_a_watchdog_sends_nothing() -> None:
+    from kvcd.host.systemd import Keepalive
+
+    n = _Counting()
+    n.watchdog_usec = None
+    with Keepalive(n):
+        pass
+    assert n.pings == 0
