@@ -7,6 +7,8 @@
 # of tests/kmods, so nothing is written to the source tree, then puts kvcd_base.ko,
 # kvcd_user.ko, kvcd_bad.ko and the Module.symvers of base+user into OUTDIR.
 # KMODVER (default 1.0) becomes MODULE_VERSION of every module.
+# KVCD_FLEET=N (default 0) also builds N copies of kvcd_fleet.c named kvcd_f01 ... into
+# OUTDIR/fleet/: one module per instance for the many-instances scenario.
 #
 # Two passes: base+user are built with modpost's default (an unresolved symbol is an error);
 # kvcd_bad, whose whole point is an unresolved symbol, is built alone with KBUILD_MODPOST_WARN=1.
@@ -21,6 +23,12 @@ kmodver=${3:-1.0}
 # KMODVER ends up inside a C string literal: keep it to version-ish characters.
 if ! [[ $kmodver =~ ^[A-Za-z0-9._+~-]+$ ]]; then
 	echo "$0: KMODVER must match [A-Za-z0-9._+~-]+, got '$kmodver'" >&2
+	exit 2
+fi
+
+fleet=${KVCD_FLEET:-0}
+if ! [[ $fleet =~ ^[0-9]+$ ]] || [ "$fleet" -gt 99 ]; then
+	echo "$0: KVCD_FLEET must be a number from 0 to 99, got '$fleet'" >&2
 	exit 2
 fi
 
@@ -58,3 +66,15 @@ fi
 mkdir -p "$outdir"
 install -m 0644 "$scratch/good/kvcd_base.ko" "$scratch/good/kvcd_user.ko" \
 	"$scratch/good/Module.symvers" "$scratch/bad/kvcd_bad.ko" "$outdir"/
+
+if [ "$fleet" -gt 0 ]; then
+	names=$(seq -f 'kvcd_f%02g' 1 "$fleet" | tr '\n' ' ')
+	mkdir -p "$scratch/fleet" "$outdir/fleet"
+	for n in $names; do
+		cp "$src/kvcd_fleet.c" "$scratch/fleet/$n.c"
+	done
+	build "$scratch/fleet" "$names"
+	for n in $names; do
+		install -m 0644 "$scratch/fleet/$n.ko" "$outdir/fleet/"
+	done
+fi

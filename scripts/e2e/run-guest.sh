@@ -159,11 +159,14 @@ fi
 # KVC way. Only when this host has the guest kernel's headers: otherwise the scenarios build
 # from source (slower, same result).
 # Layout: prebuilt/<kernel>/<KMODVER>/ (Containerfile.prebuilt), for the guest kernel and the
-# second one (the next-kernel scenario).
+# second one (the next-kernel scenario); prebuilt/<guest kernel>/1.0/fleet/ (Containerfile.fleet).
 for k in $KVER $KVER2; do
     if [ -f "/usr/src/linux-headers-$k/Makefile" ]; then
         for v in 1.0 2.0 3.0; do
-            "$REPO/scripts/build-test-kmods.sh" "$k" "$P/driver/prebuilt/$k/$v" "$v" \
+            # The fleet (20 one-module instances, scenarios_perf) runs on the guest kernel.
+            fleet=0
+            [ "$k/$v" != "$KVER/1.0" ] || fleet=20
+            KVCD_FLEET=$fleet "$REPO/scripts/build-test-kmods.sh" "$k" "$P/driver/prebuilt/$k/$v" "$v" \
                 >>"$OUT/prebuilt.log" 2>&1 ||
                 step_failed "$OUT/prebuilt.log" "compiling the test modules for $k failed"
             rm -f "$P/driver/prebuilt/$k/$v/Module.symvers"
