@@ -12,9 +12,10 @@ pyroute2, would be most of the daemon's memory (issue #20); a step that needs on
 from __future__ import annotations
 
 import logging
+import threading
 
 from kvcd.core import state
-from kvcd.daemon.events import HOLD, Context, Extension, Verdict
+from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
 from kvcd.host import pylibs
 
@@ -22,21 +23,33 @@ log = logging.getLogger(__name__)
 
 
 class LibraryProof(Extension):
+    """The child runs beside the loop, in a thread of its own while it lasts: a cold interpreter
+    importing them all takes seconds to tens of seconds in a TCG guest, and a loop held that
+    long after READY=1 did not see a module rmmod-ed behind its back for as long (found by the
+    guest's drift scenario). A library that does not import posts an event; the cycle it
+    wakes is held Degraded from then on."""
+
     name = "libraries"
     late = True
 
     def __init__(self) -> None:
-        self.proven = False
-        self.problem: str | None = None
+        self.proof: threading.Thread | None = None
+        self.problem: str | None = None  # set once, by the proof's thread
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
-        if not self.proven:
-            self.proven = True
-            try:
-                pylibs.require_all_in_child()
-            except pylibs.Missing as exc:
-                self.problem = str(exc)
-                log.error("%s", exc, extra={**ctx.fields, "KVCD_STATE": state.DEGRADED})
+        if self.proof is None:
+            self.proof = threading.Thread(
+                target=self._prove, args=(ctx,), name="kvcd-libraries", daemon=True
+            )
+            self.proof.start()
         if self.problem is None:
             return None
         return Verdict(HOLD, state.DEGRADED, state.HOST_ERROR, self.problem)
+
+    def _prove(self, ctx: Context) -> None:
+        try:
+            pylibs.require_all_in_child()
+        except pylibs.Missing as exc:
+            self.problem = str(exc)
+            log.error("%s", exc, extra={**ctx.fields, "KVCD_STATE": state.DEGRADED})
+            ctx.post(Event(self.name, "broken"))

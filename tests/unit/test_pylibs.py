@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -188,12 +189,16 @@ def test_a_missing_required_library_stops_check_config_and_run(
 def test_a_required_library_that_is_installed_but_broken_degrades_the_running_instance(
     tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The start only looks the libraries up; the late hook has a child import them for real:
-    one that does not import keeps the instance Degraded with its import error, cycle after
-    cycle (tests/integration/test_daemon_imports.py: the child itself)."""
+    """The start only looks the libraries up; the late hook has a child import them for real,
+    beside the loop: one that does not import wakes it, and keeps the instance Degraded with
+    its import error, cycle after cycle (tests/integration/test_daemon_imports.py: the child
+    itself)."""
     from kvcd.daemon import libraries
 
+    release = threading.Event()
+
     def broken(timeout: float = 0) -> None:
+        release.wait(30)  # the child still importing while the first cycle ends
         raise pylibs.Missing("kvcd needs the Python package 'podman' (RPM python3-podman) for "
                              "driver images (podman API): No module named 'requests'")  # fmt: skip
 
@@ -202,7 +207,14 @@ def test_a_required_library_that_is_installed_but_broken_degrades_the_running_in
     root = fakehost.instance_host(HostRoot(tmp_path), K, fake_commands, monkeypatch, config, mods)
     monkeypatch.setattr(libraries.pylibs, "require_all_in_child", broken)
     svc = Service(root, "e2e", K, fakehost.RecordingNotifier())
-    for _ in range(2):
+    rec = svc.reconcile()  # the proof starts beside the loop: this cycle does not wait for it
+    assert rec is not None and rec.state == state.DONE, rec
+    proof = next(e for e in svc.exts if isinstance(e, libraries.LibraryProof))
+    assert proof.proof is not None
+    release.set()
+    proof.proof.join(timeout=30)
+    assert ("libraries", "broken") in [(e.source, e.what) for e in svc.mail.drain()]
+    for _ in range(2):  # the cycle that event wakes, and every later one
         rec = svc.reconcile()
         assert rec is not None and rec.state == state.DEGRADED, rec
         assert rec.reason.startswith("HostError: kvcd needs the Python package 'podman'"), rec
