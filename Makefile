@@ -22,7 +22,7 @@ PYTHON ?= $(VENV)/python
 E2E_CACHE ?= $(or $(KVCD_E2E_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvcd-e2e)
 PY_DIRS := kvcd tests benchmarks
 
-.PHONY: setup check lint test bench rpm e2e e2e-full e2e-harness e2e-smoke e2e-guest demo e2e-clean
+.PHONY: setup check lint test bench bench-guest rpm e2e e2e-full e2e-harness e2e-smoke e2e-guest demo e2e-clean
 
 setup:
 	scripts/setup.sh
@@ -52,6 +52,12 @@ test: setup
 bench: setup
 	$(PYTHON) -m benchmarks $(BENCH_ARGS)
 
+# The guest benchmarks (tests/e2e/guest/bench_*.py), in one TCG guest: twenty instances started
+# at once (~15-25 min). Tables in out/e2e/e2e/results/ (fleet-table.md, timings.txt).
+BENCH_GUEST ?= bench_fleet
+bench-guest: setup
+	KVCD_E2E_ONLY="$(BENCH_GUEST)" scripts/e2e/run-guest.sh --mode e2e
+
 rpm: setup
 	scripts/build-rpm.sh --lint
 
@@ -61,11 +67,11 @@ rpm: setup
 # the RPM payload, the KVC shim), every scenario file and the kernel update with a reboot. A
 # scenario file that is in neither group fails the run (tests/e2e/test_vm.py), so a new one
 # cannot be left out of CI by accident.
-# The groups are balanced by the steps' times in CI (about an hour each on a 2-core machine; the
-# twenty-instance fleet, 12-15 min of it); the reboot stays last
+# The groups are balanced by the steps' times in CI (about an hour each on a 2-core machine); the
+# reboot stays last
 # in its guest, the crash scenarios (SIGKILL, then the hard resets) last in the other.
 # faulthandler_timeout=0: the guest boot is one long fixture, bounded by qemu's own timeout.
-E2E_SHARDS ?= core scenarios_devices scenarios_systemd scenarios_systemtree scenarios_node scenarios_faults reboot_nextkernel | scenarios_drift scenarios_fleet scenarios_perf scenarios_restart reboot_reset
+E2E_SHARDS ?= core scenarios_systemd scenarios_systemtree scenarios_node scenarios_faults reboot_nextkernel | scenarios_devices scenarios_drift scenarios_perf scenarios_restart reboot_reset
 e2e: setup e2e-harness
 	KVCD_E2E_MODE=e2e KVCD_E2E_SHARDS="$(E2E_SHARDS)" $(PYTHON) -m pytest -o faulthandler_timeout=0 -m e2e tests/e2e
 

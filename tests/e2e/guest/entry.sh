@@ -9,6 +9,7 @@
 #   core                    guest_smoke.py guest_scenarios.py guest_kvc_shim.py -> junit-guest.xml
 #   scenarios_<x>.py        each file alone, in name order                      -> junit-scenarios_<x>.xml
 #   reboot_<x>.py           each file alone, after those (they may reboot)      -> junit-reboot_<x>-boot<N>.xml
+#   bench_<x>.py            each file alone, last, only when payload/only names it (make bench-guest)
 # Hard resets: kvcdguest.request_reset(trigger) also leaves a command; after the step this script
 # syncs, runs it and waits for the machine to reset (the host boots it again, as after a reboot).
 # Reboots: a test calls kvcdguest.request_reboot(kernel) (writes /var/lib/kvcd-e2e/reboot-request)
@@ -128,9 +129,13 @@ e2e)
         mark_done core
     fi
     shopt -s nullglob
-    for f in "$G"/scenarios_*.py "$G"/reboot_*.py; do
+    for f in "$G"/scenarios_*.py "$G"/reboot_*.py "$G"/bench_*.py; do
         name=$(basename "$f" .py)
         step_done "$name" && continue
+        # bench_*: guest benchmarks (make bench-guest), only when KVCD_E2E_ONLY names them.
+        if [[ $name == bench_* ]] && ! tr ' ' '\n' <"$P/only" 2>/dev/null | grep -qxF "$name"; then
+            continue
+        fi
         junit="junit-$name.xml"
         [[ $name == reboot_* ]] && junit="junit-$name-boot$boot.xml"
         echo "KVCD-E2E: step $name (boot $boot) uptime=$(up)"

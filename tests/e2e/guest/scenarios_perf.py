@@ -11,7 +11,7 @@ time (the goals are read from the table), only correctness.
      "instance" modules must be the same, and modprobe must resolve each of them.
 (p3) `kvcd status`, `kvcd check-config` and `python3 -c pass`: wall time, median of five.
 (p4) the daemon's tasks and RSS 20 s after a start.
-Twenty instances on one node: scenarios_fleet.py.
+Twenty instances on one node: bench_fleet.py (make bench-guest).
 """
 
 from __future__ import annotations
