@@ -133,7 +133,7 @@ e2e)
         name=$(basename "$f" .py)
         step_done "$name" && continue
         # bench_*: guest benchmarks (make bench-guest), only when KVCD_E2E_ONLY names them.
-        if [[ $name == bench_* ]] && ! tr ' ' '\n' <"$P/only" 2>/dev/null | grep -qxF "$name"; then
+        if [[ $name == bench_* ]] && ! { [ -s "$P/only" ] && tr ' ' '\n' <"$P/only" | grep -qxF "$name"; }; then
             continue
         fi
         junit="junit-$name.xml"
