@@ -163,7 +163,7 @@ fi
 for k in $KVER $KVER2; do
     if [ -f "/usr/src/linux-headers-$k/Makefile" ]; then
         for v in 1.0 2.0 3.0; do
-            # The fleet (20 one-module instances, scenarios_perf) runs on the guest kernel.
+            # The fleet (20 one-module instances, bench_fleet.py) runs on the guest kernel.
             fleet=0
             [ "$k/$v" != "$KVER/1.0" ] || fleet=20
             KVCD_FLEET=$fleet "$REPO/scripts/build-test-kmods.sh" "$k" "$P/driver/prebuilt/$k/$v" "$v" \

@@ -11,8 +11,8 @@ CI's two guests side by side, twenty cold builds did not finish within 20 minute
 
 This is the cold start of a node with twenty drivers: twenty podman builds, extractions and
 Python start-ups at once on the guest's two emulated cores. With the images cached the same
-start took 106-115 s in this guest (measured beside this scenario while it was written; a
-second pass would double the step's time in CI).
+start took 106-115 s in this guest (measured while this benchmark was written; not repeated
+here).
 """
 
 from __future__ import annotations
