@@ -94,6 +94,24 @@ def use(monkeypatch: pytest.MonkeyPatch, *exts: Extension) -> None:
     monkeypatch.setattr(extensions, "build", lambda cfg, settings: next(sets, []))
 
 
+def full_disk(monkeypatch: pytest.MonkeyPatch, writes: int = 1 << 30) -> dict[str, int]:
+    """Record.write fails with ENOSPC (naming the record) for the next `writes` writes; set the
+    returned ["left"] to 0 to give the disk room again."""
+    import errno
+
+    real = Record.write
+    left = {"left": writes}
+
+    def write(self: Record, root: HostRoot) -> None:
+        if left["left"]:
+            left["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
+        real(self, root)
+
+    monkeypatch.setattr(Record, "write", write)
+    return left
+
+
 def service(root: HostRoot) -> tuple[Service, fakehost.RecordingNotifier]:
     n = fakehost.RecordingNotifier()
     return Service(root, "e2e", K, n), n
@@ -645,19 +663,9 @@ def test_a_full_disk_is_retried_with_backoff_not_a_crash(
 ) -> None:
     """ENOSPC writing the record: the daemon stays up, says HostError with the path in STATUS=,
     retries with backoff, and converges once the disk has room again."""
-    import errno
 
     use(monkeypatch)
-    real = Record.write
-    failures = {"left": 2}
-
-    def write(self: Record, root: HostRoot) -> None:
-        if failures["left"]:
-            failures["left"] -= 1
-            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
-        real(self, root)
-
-    monkeypatch.setattr(Record, "write", write)
+    full_disk(monkeypatch, writes=2)
     n = fakehost.RecordingNotifier()
     svc = Service(host, "e2e", K, n, backoff=Backoff(first=0.01, cap=0.01))
     svc._install()
@@ -684,7 +692,6 @@ def test_a_first_start_backing_off_sends_ready_only_once_settled(
 ) -> None:
     """A transient failure at the first start: the late hooks run after it (the node hears
     of it), but READY=1 waits for the back-off's try and goes out with the settled outcome."""
-    import errno
 
     class Late(Scripted):
         late = True
@@ -695,16 +702,7 @@ def test_a_first_start_backing_off_sends_ready_only_once_settled(
 
     late = Late(on_verdict=stop_when_done)
     use(monkeypatch, late)
-    real = Record.write
-    failures = {"left": 1}  # the Working record; the failure's Degraded one is written
-
-    def write(self: Record, root: HostRoot) -> None:
-        if failures["left"]:
-            failures["left"] -= 1
-            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
-        real(self, root)
-
-    monkeypatch.setattr(Record, "write", write)
+    full_disk(monkeypatch, writes=1)  # the Working record; the failure's Degraded one is written
     n = fakehost.RecordingNotifier()
     svc = Service(host, "e2e", K, n, backoff=Backoff(first=0.2, cap=0.2))
 
@@ -771,19 +769,10 @@ def test_events_during_a_backoff_neither_retry_early_nor_lose_the_timer(
 ) -> None:
     """A transient failure: mere events wait for the back-off (nothing applied), an extension's
     SKIP leaves it armed, and its end applies again."""
-    import errno
-
-    real = Record.write
-    failing = {"on": True}
-
-    def write(self: Record, root: HostRoot) -> None:
-        if failing["on"]:
-            raise OSError(errno.ENOSPC, "No space left on device", str(root.state_file("e2e")))
-        real(self, root)
 
     ext = Scripted(verdicts=[None, None, Verdict(SKIP), None])
     use(monkeypatch, ext)
-    monkeypatch.setattr(Record, "write", write)
+    disk = full_disk(monkeypatch)
     n = fakehost.RecordingNotifier()
     svc = Service(host, "e2e", K, n, backoff=Backoff(first=30.0, cap=30.0))
     assert svc.reconcile([Event("start", kind=RETRY)]) is None
@@ -793,7 +782,7 @@ def test_events_during_a_backoff_neither_retry_early_nor_lose_the_timer(
     assert svc.ledger.tries == 1 and svc.retry_at == armed
     assert svc.reconcile([Event("scripted", "file")]) is None  # SKIP: the timer stays
     assert svc.retry_at == armed
-    failing["on"] = False
+    disk["left"] = 0
     svc.ledger = dataclasses.replace(svc.ledger, not_before=0.0)  # the back-off has ended
     rec = svc.reconcile([Event("backoff", "retry")])
     assert rec is not None and rec.state == state.DONE and svc.retry_at is None
