@@ -34,7 +34,7 @@ from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, kmod, procs, pylibs
+from kvcd.host import failpoint, files, procs, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Keepalive, Notifier
 
@@ -409,10 +409,7 @@ class Service:
         self._install()
         procs.write_pid_file(self.root.pid_file(self.name), os.getpid())
         try:
-            try:
-                storegc.collect_unconfigured(self.root, self.kernel, self.fields)
-            except (kmod.KmodError, OSError) as exc:  # the reconcile says what is wrong
-                log.warning("module root clean-up failed: %s", exc, extra=self.fields)
+            storegc.at_start(self.root, self.kernel, self.fields)
             self.defer_late = True
             record = self.reconcile([Event("start", kind=attempts.RETRY)])
             started = ready = False  # READY=1 sent at all / since the last reload

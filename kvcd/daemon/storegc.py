@@ -111,6 +111,20 @@ def _links(kdir: Path) -> set[str]:
     return names
 
 
+def at_start(root: HostRoot, kernel: str, fields: dict[str, str]) -> None:
+    """What a daemon clears before its first cycle: the temporary files that writers killed
+    mid-write left in kvcd's own directories, and the links of instances no longer configured.
+    Neither stops the start: what is still wrong, the reconcile says."""
+    state = root.state
+    for directory in (state, state / "instances", driftstore.drift_dir(root), root.runtime):
+        if n := files.sweep_dead_writers(directory):
+            log.info("removed %d dead writer(s)' temporary files in %s", n, directory, extra=fields)
+    try:
+        collect_unconfigured(root, kernel, fields)
+    except (kmod.KmodError, OSError) as exc:
+        log.warning("module root clean-up failed: %s", exc, extra=fields)
+
+
 def collect_unconfigured(root: HostRoot, kernel: str, fields: dict[str, str]) -> list[str]:
     """Remove the links of instances that are no longer configured from kvcd's module-root tree
     of `kernel` (and re-index it): their modules must not stay resolvable for another instance

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import stat
+import string
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,7 +267,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     ensure_dir(directory)
     _refuse_special(path)
     # The writer's pid in the name: a writer killed between create and rename leaves its
-    # temporary file behind, and the next write of the same file removes it (_sweep).
+    # temporary file behind, and the next write of the same file removes it (sweep_dead_writers).
     tmp = directory / f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -287,25 +288,43 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
             # write(2) and fsync(2) errors name no file: name the one kvcd was writing.
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
-    _sweep(directory, path.name)
+    sweep_dead_writers(directory, f".{path.name}.")
     _fsync_dir(directory)
 
 
-def _sweep(directory: Path, name: str) -> None:
-    """Remove the temporary files of earlier writes of `name` whose writer is gone (a crash
-    between create and rename); a live writer's file is left alone."""
-    prefix = f".{name}."
+def _dead_writer(entry: str, prefix: str) -> bool:
+    """Whether `entry` is a temporary file atomic_write made for a name starting with
+    `prefix` (``.<name>.<pid>.<12 hex>.tmp``) whose writer is no longer running."""
+    if not (entry.startswith(prefix) and entry.endswith(".tmp")):
+        return False
+    head, _, tag = entry[: -len(".tmp")].rpartition(".")
+    pid = head.rpartition(".")[2]
+    return (
+        len(tag) == 12
+        and all(c in string.hexdigits for c in tag)
+        and pid.isdigit()
+        and int(pid) != os.getpid()
+        and not os.path.exists(f"/proc/{pid}")
+    )
+
+
+def sweep_dead_writers(directory: Path, prefix: str = ".") -> int:
+    """Remove the temporary files in `directory` (of names starting with `prefix`) that a
+    writer killed between create and rename left behind; a live writer's file is left alone.
+    Each write sweeps its own name; the daemon's start sweeps kvcd's own directories, since a
+    file written only when a value changes may not be written again for a long time. Returns
+    how many were removed."""
     try:
         entries = os.listdir(directory)
     except OSError:
-        return
+        return 0
+    removed = 0
     for entry in entries:
-        if not (entry.startswith(prefix) and entry.endswith(".tmp")):
-            continue
-        pid = entry[len(prefix) :].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+        if _dead_writer(entry, prefix):
             with contextlib.suppress(OSError):
                 os.unlink(directory / entry)
+                removed += 1
+    return removed
 
 
 def write_json(path: Path, obj: Any, mode: int = 0o644) -> None:

@@ -187,9 +187,9 @@ def test_an_atomic_write_dies_with_the_old_file_whole(
     # What a SIGKILL there leaves (the exception here cleaned up; a kill cannot): the writer's
     # temporary file. Its writer gone, the next write of the same file removes it; a live
     # writer's (this process's) is left alone.
-    dead = target.parent / ".node.json.999999999.0123.tmp"
+    dead = target.parent / ".node.json.999999999.0123456789ab.tmp"
     dead.write_text("{")
-    mine = target.parent / f".node.json.{os.getpid()}.4567.tmp"
+    mine = target.parent / f".node.json.{os.getpid()}.456789abcdef.tmp"
     mine.write_text("")
     monkeypatch.delenv("KVCD_FAILPOINT")
     files.write_json(target, {"new": True})

@@ -250,3 +250,35 @@ def test_a_write_keeps_the_mode_it_was_asked_for(root: HostRoot) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
     files.atomic_write(path, b"2", 0o644)
     assert path.stat().st_mode & 0o777 == 0o644 and path.read_bytes() == b"2"
+
+
+DEAD = 999_999_999  # above any pid_max: no such process
+
+
+@pytest.mark.parametrize(
+    ("entry", "prefix", "removed"),
+    [
+        (f".node.json.{DEAD}.0123456789ab.tmp", ".", True),  # a dead writer's, any name
+        (f".node.json.{DEAD}.0123456789ab.tmp", ".node.json.", True),  # its own name
+        (f".a.b.json.{DEAD}.0123456789ab.tmp", ".a.b.json.", True),  # dots in the name
+        (f".a.json.{DEAD}.0123456789ab.tmp", ".b.json.", False),  # another name's
+        (f".node.json.{os.getpid()}.0123456789ab.tmp", ".", False),  # a live writer's
+        (".node.json.1.0123456789ab.tmp", ".", False),  # pid 1 runs
+        (f".node.json.{DEAD}.0123.tmp", ".", False),  # not atomic_write's 12 hex digits
+        (f".node.json.{DEAD}.0123456789xy.tmp", ".", False),
+        (f".node.json.x{DEAD}.0123456789ab.tmp", ".", False),
+        (f".node.json.{DEAD}.0123456789ab", ".", False),  # no .tmp
+        (f"node.json.{DEAD}.0123456789ab.tmp", ".", False),  # not hidden
+        ("node.json", ".", False),
+    ],
+)
+def test_only_dead_writers_temporaries_are_swept(
+    tmp_path: Path, entry: str, prefix: str, removed: bool
+) -> None:
+    (tmp_path / entry).write_text("{")
+    assert files.sweep_dead_writers(tmp_path, prefix) == int(removed)
+    assert (tmp_path / entry).exists() is not removed
+
+
+def test_a_sweep_of_a_missing_directory_removes_nothing(tmp_path: Path) -> None:
+    assert files.sweep_dead_writers(tmp_path / "absent") == 0

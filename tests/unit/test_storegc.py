@@ -128,3 +128,24 @@ def test_nothing_is_removed_when_the_configured_set_is_unknown(
     monkeypatch.setattr(gc, "list_instances", unlisted)
     assert gc.collect_unconfigured(root, A, {}) == []
     assert (kdir / "extra" / "x").is_symlink()
+
+
+def test_a_start_sweeps_dead_writers_temporaries_from_kvcds_own_directories(
+    tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer killed between create and rename leaves `.<name>.<pid>.<hex>.tmp`. The node
+    file is written only when a value changes, so its next write may never come: the daemon's
+    start removes them (the guest's restart scenario found one after Done)."""
+    root = fakehost.fake_host(HostRoot(tmp_path), A, fake_commands, monkeypatch)
+    stray = ".x.json.999999999.0123456789ab.tmp"
+    dirs = [root.state, root.state / "instances", driftstore.drift_dir(root), root.runtime]
+    for d in dirs:
+        files.ensure_dir(d)
+        (d / stray).write_text("{")
+    live = root.state / f".node.json.{os.getpid()}.0123456789ab.tmp"
+    live.write_text("{")
+
+    gc.at_start(root, A, {})
+
+    assert [d for d in dirs if (d / stray).exists()] == []
+    assert live.exists()
