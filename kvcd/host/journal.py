@@ -29,6 +29,7 @@ import re
 import stat
 import struct
 import sys
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -179,6 +180,11 @@ class JournalHandler(logging.Handler):
                 yield name, _to_bytes(value, limit)
         for name, value in extra.items():
             yield name, _to_bytes(value, limit)
+        if "MESSAGE_ID" in extra:
+            # journald stamps an entry when it receives it, which under load can be after what
+            # followed it; a catalogued event also says when kvcd made it (CLOCK_MONOTONIC, as
+            # systemd's *TimestampMonotonic properties).
+            yield "KVCD_MONOTONIC_USEC", str(time.monotonic_ns() // 1000).encode()
 
     def payload(self, record: logging.LogRecord) -> bytes:
         """The datagram for one record."""

@@ -11,6 +11,7 @@ import re
 import socket
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -167,6 +168,7 @@ def test_exception_text_goes_in_the_message(jsock: Journal, logger: logging.Logg
 
 
 def test_extra_journal_fields(jsock: Journal, logger: logging.Logger) -> None:
+    before = time.monotonic_ns() // 1000
     logger.info(
         "loaded",
         extra={
@@ -189,6 +191,8 @@ def test_extra_journal_fields(jsock: Journal, logger: logging.Logger) -> None:
     assert e["KVCD_ATTEMPT"] == "3"
     assert e["KVCD_NOTES"] == "two\nlines"
     assert "KVCD_NONE" not in e
+    # A catalogued event (one with a MESSAGE_ID) says when kvcd made it.
+    assert before <= int(e["KVCD_MONOTONIC_USEC"]) <= time.monotonic_ns() // 1000
 
 
 def test_invalid_and_reserved_field_names_are_dropped(

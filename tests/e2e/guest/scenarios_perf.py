@@ -62,14 +62,15 @@ def prop(unit: str, name: str) -> str:
 
 
 def loaded_at_us(since_us: int) -> int:
-    """Monotonic µs of the last module's "loaded" journal event after `since_us`."""
+    """Monotonic µs of the last module's "loaded" event after `since_us`, as kvcd stamped it
+    (journald's own stamp is when it received the entry: under load, after READY=1)."""
     argv = ["journalctl", "-u", UNIT, "-o", "json", "--no-pager", f"MESSAGE_ID={MSG_LOADED}"]
     out = sh(argv).stdout
     times = [
-        int(e["__MONOTONIC_TIMESTAMP"])
+        int(e["KVCD_MONOTONIC_USEC"])
         for e in map(json.loads, out.splitlines())
         if e.get("_BOOT_ID", "").replace("-", "") == boot_id()
-        and int(e["__MONOTONIC_TIMESTAMP"]) >= since_us
+        and int(e["KVCD_MONOTONIC_USEC"]) >= since_us
         and MODS[-1] in e.get("MESSAGE", "")
     ]
     assert times, f"no 'loaded {MODS[-1]}' event after {since_us}"
