@@ -7,7 +7,9 @@ order, so a busy machine slows both alike. Goal: each verb <= 2x the peer's medi
 
 Also per verb: peak RSS, and what it imports beyond the peer (`python -X importtime`, the
 median of a few runs per module): the import time of the top-level imports, and the biggest
-cumulative entries (in the JSON's raw).
+cumulative entries (in the JSON's raw). And a second peer, timed in the same rounds: a bare
+interpreter importing the verb's other modules (the standard library's and third parties',
+not kvcd's), so the table shows how much of the start is the language and its libraries.
 
 Scratch roots (--root): status and check-config run on N instances, each with a recorded state
 and loaded modules in a fake /sys/module (the work `kvcd status` really does: config listing,
@@ -115,10 +117,11 @@ def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tup
 
 def imports(
     argv: list[str], env: dict[str, str], cwd: str, runs: int
-) -> tuple[float, dict[str, object]]:
+) -> tuple[float, list[str], dict[str, object]]:
     """What `argv` imports beyond `python -c pass`: the top-level imports' time (ms; nested
-    entries are inside their parent's cumulative figure), the module count, and the biggest
-    cumulative entries (median of `runs` runs each)."""
+    entries are inside their parent's cumulative figure), the modules that are not kvcd's,
+    and for the JSON the module count and the biggest cumulative entries (median of `runs`
+    runs each)."""
     peer = set(_importtime(["-c", "pass"], env, cwd))
     samples = [_importtime(argv, env, cwd) for _ in range(runs)]
     names = [n for n in samples[0] if n not in peer]
@@ -126,15 +129,28 @@ def imports(
     depth = samples[0]
     top_level = sum(us for n, us in cumulative.items() if depth[n][1] == 0)
     biggest = sorted(names, key=lambda n: -cumulative[n])[:15]
-    return top_level / 1000, {
-        "ms": round(top_level / 1000, 1),
-        "modules": len(names),
-        "kvcd_modules": sorted(n for n in names if n == "kvcd" or n.startswith("kvcd.")),
-        "top": [
-            {"module": n, "cumulative_ms": round(cumulative[n] / 1000, 1), "depth": depth[n][1]}
-            for n in biggest
-        ],
-    }
+    others = sorted(n for n in names if n != "kvcd" and not n.startswith("kvcd."))
+    return (
+        top_level / 1000,
+        others,
+        {
+            "ms": round(top_level / 1000, 1),
+            "modules": len(names),
+            "other_modules": others,
+            "kvcd_modules": sorted(n for n in names if n == "kvcd" or n.startswith("kvcd.")),
+            "top": [
+                {"module": n, "cumulative_ms": round(cumulative[n] / 1000, 1), "depth": depth[n][1]}
+                for n in biggest
+            ],
+        },
+    )
+
+
+def stdlib_peer(modules: list[str]) -> list[str]:
+    """`python -c` importing `modules` (what a verb imports beyond `python -c pass` that is not
+    kvcd's own): the floor of a verb written in Python with the same libraries."""
+    body = "".join(f"try:\n import {m}\nexcept Exception:\n pass\n" for m in modules)
+    return [sys.executable, "-c", body]
 
 
 def main() -> None:
@@ -162,21 +178,24 @@ def main() -> None:
         peer_argv = [sys.executable, "-c", "pass"]
         for name, kvcd_args in table.items():
             argv = [sys.executable, *ENTRY, *kvcd_args]
+            imp_ms, others, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
+            libs_argv = stdlib_peer(others)
             times: list[float] = []
             peers: list[float] = []
+            libs: list[float] = []
             peak = peer_peak = 0
             timed_run(argv, env, tmp)  # warm the page cache and the .pyc files
             for i in range(args.runs):
-                order = [(argv, times), (peer_argv, peers)]
+                order = [(argv, times), (peer_argv, peers), (libs_argv, libs)]
                 for cmd, into in order if i % 2 else reversed(order):
                     seconds, rss = timed_run(cmd, env, tmp)
                     into.append(seconds)
                     if cmd is argv:
                         peak = max(peak, rss)
-                    else:
+                    elif cmd is peer_argv:
                         peer_peak = max(peer_peak, rss)
             ms, peer_ms = statistics.median(times) * 1000, statistics.median(peers) * 1000
-            imp_ms, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
+            libs_ms = statistics.median(libs) * 1000
             ratio = ms / peer_ms
             figures += [
                 Figure(
@@ -198,16 +217,32 @@ def main() -> None:
                     round(peak / peer_peak, 2),
                 ),
                 Figure(f"{name} (import time beyond {PEER})", round(imp_ms, 1), "ms", ""),
+                # The same non-kvcd modules imported by a bare interpreter: how much of the
+                # verb's start is the language and its libraries, not kvcd.
+                Figure(
+                    f"{name} (its {len(others)} other modules alone, median wall)",
+                    round(libs_ms, 1),
+                    "ms",
+                    "",
+                    None,
+                    PEER,
+                    round(libs_ms / peer_ms, 2),
+                ),
             ]
             per_verb[name] = {
                 "argv": kvcd_args,
                 "wall": summary(times),
                 "peer_wall": summary(peers),
                 "peer_ms": round(peer_ms, 1),
+                "other_modules_wall": summary(libs),
                 "imports": imp,
             }
             if not quiet:
-                print(f"  {name}: {summary(times)}; {PEER}: {summary(peers)}", file=sys.stderr)
+                print(
+                    f"  {name}: {summary(times)}; {PEER}: {summary(peers)}; "
+                    f"its other modules alone: {summary(libs)}",
+                    file=sys.stderr,
+                )
     report("startup", figures, args.json, raw)
 
 
