@@ -6,8 +6,9 @@ read from /proc `--settle` seconds after it reached Done (READY=1 and the late h
 report, drift baseline, next kernel, the library proof). Twice: the first start (it built the
 image: podman-py stays imported) and a cached start (the daemon restarted, its version already
 in the store: every boot after the first), whose RSS is the goal's figure. Beside them the
-interpreter's own floor, `python3 -c pass`, and how much of the daemon's RSS is file-backed
-(shared libraries: counted in RSS, shared with every other process that maps them).
+interpreter's own floor, `python3 -c pass`, how much of the daemon's RSS is file-backed
+(shared libraries: counted in RSS, shared with every other process that maps them), and its PSS
+(what it costs the node: each shared page divided among the processes mapping it).
 
 Usage: .venv/bin/python -m benchmarks.bench_rss [--settle S] [--json FILE]
 About a minute on a 2-core host (set-up and the first start's build ~20 s, then 2 x S).
@@ -39,7 +40,8 @@ def floor_mib(env: dict[str, str]) -> float:
 
 
 def reading(pid: int) -> dict[str, float]:
-    """RSS, its anonymous (private heap, stacks) and file-backed parts (MiB), and threads."""
+    """RSS, its anonymous (private heap, stacks) and file-backed parts, PSS (each shared page
+    divided among the processes that map it) in MiB, and threads."""
     import psutil
 
     rollup: dict[str, int] = {}
@@ -50,6 +52,7 @@ def reading(pid: int) -> dict[str, float]:
         "rss_mib": round(rollup["Rss"] / 1024, 1),
         "anon_mib": round(rollup["Anonymous"] / 1024, 1),
         "file_mib": round((rollup["Rss"] - rollup["Anonymous"]) / 1024, 1),
+        "pss_mib": round(rollup["Pss"] / 1024, 1),
         "threads": psutil.Process(pid).num_threads(),
     }
 
@@ -84,6 +87,7 @@ def figures_of(first: dict[str, float], cached: dict[str, float], floor: float) 
             round(rss / floor, 2),
         ),
         Figure("rss: of which file-backed (shared libraries)", cached["file_mib"], "MiB", ""),
+        Figure("rss: daemon PSS, settled after a cached start", cached["pss_mib"], "MiB", ""),
         Figure(
             "rss: daemon threads, settled after a cached start", cached["threads"], "threads", ""
         ),

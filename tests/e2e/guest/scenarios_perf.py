@@ -4,14 +4,15 @@ time (the goals are read from the table), only correctness.
 
 (p1) start -> modules live -> READY=1 of kvcd@e2e-kmod with its image cached and its store
      prepared, five times: from systemd's own timestamps (the main process's exec, the unit
-     becoming active = READY=1) and the journal's monotonic time of the last "loaded" event.
+     becoming active = READY=1) and the KVCD_MONOTONIC_USEC of the last "loaded" event.
 (p2) depmod: kvcd's targeted index (kvcd.host.modindex) against a full depmod over the same
      tree, in a scratch copy of kvcd's module root to which a few real in-tree modules with deep
      dependency chains are added as if an instance shipped them: every modules.dep line of the
      "instance" modules must be the same, and modprobe must resolve each of them.
 (p3) `kvcd status`, `kvcd check-config` and `python3 -c pass`: wall time, median of five.
-(p4) the daemon's tasks and RSS 20 s after a start.
-Twenty instances on one node: bench_fleet.py (make bench-guest).
+(p4) the daemon's tasks, RSS and PSS 20 s after a start.
+Twenty instances on one node: bench_fleet.py; beside KVC's own unit: bench_kvc.py (make
+bench-guest).
 """
 
 from __future__ import annotations
@@ -223,6 +224,10 @@ def test_p4_daemon_tasks_and_rss() -> None:
     threads = int(status["Threads"])
     rss_mib = int(status["VmRSS"].split()[0]) / 1024
     TABLE.append(("daemon threads, 20 s after a start", str(threads)))
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    pss_mib = int(next(ln.split()[1] for ln in rollup if ln.startswith("Pss:"))) / 1024
     TABLE.append(("daemon RSS, 20 s after a start", f"{rss_mib:.1f} MiB"))
+    TABLE.append(("daemon PSS (shared pages divided among their users)", f"{pss_mib:.1f} MiB"))
     record_timing("perf_threads", threads)
     record_timing("perf_rss_mib", rss_mib)
+    record_timing("perf_pss_mib", pss_mib)
