@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
-from kvcd.core.state import DEGRADED, DONE
+from kvcd.core import nodeevents
 from kvcd.daemon.events import Context, Event, Extension, Verdict
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
@@ -117,13 +117,17 @@ def node_patch(keys: Keys, record: Record) -> dict[str, str | None]:
     return patch
 
 
-def event_reason(record: Record) -> str:
-    """A node Event's reason: the record's reason code, else its state (stable vocabulary)."""
-    if record.code:
-        return record.code
-    if record.state == DONE:
-        return "ModulesUnloaded" if record.goal == "unloaded" else "ModulesLoaded"
-    return record.state
+def published(record: Record) -> nodeevents.Published:
+    """What node Events are about, of `record`."""
+    return nodeevents.Published(
+        record.state,
+        record.code,
+        record.reason,
+        record.goal,
+        record.next_kernel,
+        record.next_kernel_state,
+        record.next_kernel_reason,
+    )
 
 
 class Reporter(Extension):
@@ -135,7 +139,7 @@ class Reporter(Extension):
     def __init__(self, link: NodeLink) -> None:
         self.link = link
         self._ctx: Context | None = None
-        self._published: tuple[str, str] | None = None
+        self._published: nodeevents.Published | None = None
         self._timer: threading.Timer | None = None
         self._attempt = 0
         self._since: float | None = None  # when the node became unreachable (None: it is not)
@@ -194,16 +198,13 @@ class Reporter(Extension):
         self._attempt = 0
         self._cancel()
         self._unreachable(ctx, None)
-        now = (record.state, record.reason)
-        if now != self._published and self.link.backend is not None:
-            try:
-                self.link.backend.event(
-                    event_reason(record),
-                    f"{ctx.name}: {record.state}" + (f": {record.reason}" if record.reason else ""),
-                    warning=record.state == DEGRADED,
-                )
-            except Unavailable as exc:
-                log.debug("node event not posted: %s", exc, extra=ctx.fields)
+        now = published(record)
+        if self.link.backend is not None:
+            for ev in nodeevents.events_for(ctx.name, self._published, now):
+                try:
+                    self.link.backend.event(ev.reason, ev.message, warning=ev.warning)
+                except Unavailable as exc:
+                    log.debug("node event not posted: %s", exc, extra=ctx.fields)
         self._published = now
         return None
 

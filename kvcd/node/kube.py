@@ -11,7 +11,9 @@ node name comes from settings, $KVCD_NODE_NAME or the hostname (backend.node_nam
   `Unavailable` and the daemon keeps its modules and retries later.
 - Watch: list+watch of the one node (fieldSelector metadata.name) from the last resourceVersion;
   410 Gone -> re-list; dropped connections -> back off and resume.
-- Events: a core/v1 Event about the Node in namespace "default" per state change.
+- Events: core/v1 Events about the Node in namespace "default", correlated as the kubelet does
+  (kvcd/core/nodeevents.py): the same reason, type and message again PATCHes the existing
+  Event's count and lastTimestamp; a token bucket caps the rate.
 
 Responses are read as raw JSON (`_preload_content=False`), so kvcd depends on the API's wire
 format, not on the generated model classes of one client version.
@@ -27,6 +29,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from kvcd.core import nodeevents
 from kvcd.host import pylibs
 from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
 
@@ -65,6 +68,8 @@ class KubeBackend(Backend):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: Any = None
+        self._events = nodeevents.Correlator(name)
+        self._dropping = False
 
     # --- client ----------------------------------------------------------------------------
     def api(self) -> Any:
@@ -93,9 +98,17 @@ class KubeBackend(Backend):
     def _delay(self, attempt: int) -> float:
         return min(self.max_delay, self.first_delay * 2.0**attempt)
 
-    def _call(self, what: str, fn: Callable[[], Any], *, conflict_ok: bool = False) -> Any:
+    def _call(
+        self,
+        what: str,
+        fn: Callable[[], Any],
+        *,
+        conflict_ok: bool = False,
+        absent_ok: bool = False,
+    ) -> Any:
         """fn() with retries on 409/429/5xx and connection errors; the parsed JSON body.
-        With `conflict_ok`, a 409 is returned to the caller as None (it re-reads)."""
+        With `conflict_ok`, a 409 is returned to the caller as None (it re-reads); with
+        `absent_ok`, a 404 is."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -106,7 +119,7 @@ class KubeBackend(Backend):
                 data = resp.data if hasattr(resp, "data") else resp
                 return json.loads(data) if isinstance(data, (bytes, str)) else data
             except ApiException as exc:
-                if exc.status == 409 and conflict_ok:
+                if (exc.status == 409 and conflict_ok) or (exc.status == 404 and absent_ok):
                     return None
                 last = f"{what}: HTTP {exc.status} {exc.reason}"
                 if exc.status not in RETRY_STATUS:
@@ -230,22 +243,39 @@ class KubeBackend(Backend):
 
     # --- events ----------------------------------------------------------------------------
     def event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        """A core/v1 Event about the Node, correlated as the kubelet does
+        (kvcd/core/nodeevents.py): the same one again counts on the existing Event."""
+        ev = nodeevents.NodeEvent(reason, message[:1024], warning)
+        d = self._events.decide(ev, time.time())
+        if d.what == nodeevents.DROP:
+            if not self._dropping:
+                log.warning(
+                    "node events limited to %d, then one every %.0f s: %s not posted",
+                    nodeevents.BURST,
+                    nodeevents.REFILL_SECONDS,
+                    reason,
+                )
+            self._dropping = True
+            return
+        self._dropping = False
         api = self.api()
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if d.what == nodeevents.COUNT and self._count_event(api, d, d.count, now):
+            return
         body = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{self.name}.kvcd-", "namespace": EVENTS_NAMESPACE},
+            "metadata": {"name": d.name, "namespace": EVENTS_NAMESPACE},
             "involvedObject": {"kind": "Node", "name": self.name, "uid": self._uid or self.name},
             "reason": reason,
-            "message": message[:1024],
+            "message": d.message[:1024],
             "type": "Warning" if warning else "Normal",
             "source": {"component": COMPONENT, "host": self.name},
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,
         }
-        self._call(
+        created = self._call(
             "POST event",
             lambda: api.create_namespaced_event(
                 EVENTS_NAMESPACE,
@@ -253,4 +283,39 @@ class KubeBackend(Backend):
                 _preload_content=False,
                 _request_timeout=self.request_timeout,
             ),
+            conflict_ok=True,
         )
+        if created is not None:
+            self._events.correct(d.name, 1)
+            return
+        # 409: an Event of this name exists (an earlier daemon of this instance posted it).
+        found = self._call(
+            f"GET event {d.name}",
+            lambda: api.read_namespaced_event(
+                d.name,
+                EVENTS_NAMESPACE,
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            ),
+        )
+        count = int(found.get("count") or 1) + 1
+        if self._count_event(api, d, count, now):
+            self._events.correct(d.name, count)
+
+    def _count_event(self, api: Any, d: nodeevents.Decision, count: int, now: str) -> bool:
+        """Set the Event's count, lastTimestamp and message; False when it is gone (expired,
+        or never created by this process's memory): the caller creates it."""
+        body = {"count": count, "lastTimestamp": now, "message": d.message[:1024]}
+        done = self._call(
+            f"PATCH event {d.name}",
+            lambda: api.patch_namespaced_event(
+                d.name,
+                EVENTS_NAMESPACE,
+                body,
+                _content_type="application/merge-patch+json",
+                _preload_content=False,
+                _request_timeout=self.request_timeout,
+            ),
+            absent_ok=True,
+        )
+        return done is not None

@@ -394,3 +394,17 @@ def test_the_attempt_lines_are_what_status_prints() -> None:
         {"outcome": "transient", "code": "PodmanUnavailable", "tries": 3, "not_before": at},
     ):
         assert f"\n  {render_attempt(ledger)}\n" in readme
+
+
+def test_the_documented_event_reasons_are_the_ones_kvcd_posts() -> None:
+    """README's Events bullet names reasons an operator filters on: each one is a reason kvcd
+    can post, and each reason kvcd adds to the state codes is named there."""
+    from kvcd.core import nodeevents, state
+
+    text = (REPO / "README.md").read_text()
+    bullet = text[text.index("- **Events**") :]
+    bullet = bullet[: bullet.index("\n- **", 1)]
+    named = set(re.findall(r"`([A-Z][A-Za-z]+)`", bullet))
+    assert named, "no reasons found in README's Events bullet"
+    assert named <= set(nodeevents.REASONS) | set(state.REASONS), named
+    assert set(nodeevents.REASONS) <= named

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import yaml
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core.types import ModuleSpec
@@ -33,6 +34,7 @@ from kvcd.node.backend import NodeView, NodeWriter, Unavailable
 from kvcd.node.kube import KubeBackend
 
 NODE = "worker-1"
+EVENTS = "/api/v1/namespaces/default/events"
 
 
 class FakeAPI:
@@ -54,7 +56,8 @@ class FakeAPI:
         }
         self.history: list[tuple[int, dict[str, Any]]] = []
         self.compacted = 0  # watches from a resourceVersion below this get 410 Gone
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # every Event created, in order
+        self.stored: dict[str, dict[str, Any]] = {}  # the Events the server holds, by name
         self.requests: list[tuple[str, str, str, Any]] = []  # method, path, content-type, body
         self.faults: dict[str, list[Any]] = {}  # "GET node" | "PATCH node" | "WATCH" | "POST event"
         self.closed = False
@@ -149,6 +152,14 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                     with api.lock:
                         self._send(200, api.node)
                 return
+            if url.path.startswith(EVENTS + "/"):
+                with api.lock:
+                    found = api.stored.get(url.path.rsplit("/", 1)[1])
+                if found is None:
+                    self._status(404, "NotFound")
+                else:
+                    self._send(200, found)
+                return
             if url.path == "/api/v1/nodes" and q.get("watch") == ["true"]:
                 assert q.get("fieldSelector") == [f"metadata.name={NODE}"]
                 self._watch(
@@ -218,6 +229,17 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
             url = urlsplit(self.path)
             body = self._body()
             api.requests.append(("PATCH", url.path, self.headers.get("Content-Type", ""), body))
+            if url.path.startswith(EVENTS + "/"):
+                assert self.headers.get("Content-Type") == "application/merge-patch+json"
+                with api.lock:
+                    found = api.stored.get(url.path.rsplit("/", 1)[1])
+                    if found is not None:
+                        found.update(body)
+                if found is None:
+                    self._status(404, "NotFound")
+                else:
+                    self._send(200, found)
+                return
             if url.path != f"/api/v1/nodes/{NODE}":
                 self._status(404, "NotFound")
                 return
@@ -243,13 +265,19 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
             url = urlsplit(self.path)
             body = self._body()
             api.requests.append(("POST", url.path, self.headers.get("Content-Type", ""), body))
-            if url.path != "/api/v1/namespaces/default/events":
+            if url.path != EVENTS:
                 self._status(404, "NotFound")
                 return
             if self._injected("POST event"):
                 return
-            api.events.append(body)
-            self._send(201, {**body, "metadata": {"name": "ev1", "namespace": "default"}})
+            name = body["metadata"].get("name") or f"ev{len(api.events) + 1}"
+            with api.lock:
+                if name in api.stored:
+                    self._status(409, "AlreadyExists")
+                    return
+                api.events.append(body)
+                api.stored[name] = {**body, "metadata": {**body["metadata"], "name": name}}
+            self._send(201, api.stored[name])
 
     return Handler
 
@@ -473,6 +501,57 @@ def test_events_name_the_node(api: FakeAPI, backend: Any) -> None:
     )
 
 
+def event_requests(api: FakeAPI) -> list[tuple[str, str]]:
+    return [(r[0], r[1].removeprefix(EVENTS)) for r in api.requests if r[1].startswith(EVENTS)]
+
+
+def test_the_same_event_again_counts_on_one_object(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    for _ in range(3):
+        be.event("LoadFailed", "nic: Degraded: LoadFailed: x", warning=True)
+    assert len(api.stored) == 1
+    ((name, ev),) = api.stored.items()
+    assert name.startswith(f"{NODE}.kvcd-") and ev["count"] == 3
+    assert [m for m, _ in event_requests(api)] == ["POST", "PATCH", "PATCH"]
+    assert all(p == f"/{name}" for m, p in event_requests(api) if m == "PATCH")
+
+
+def test_a_restarted_daemon_counts_on_its_predecessors_event(
+    api: FakeAPI, backend: Any, tmp_path: Path
+) -> None:
+    be, _ = backend
+    be.event("Drift", "nic: Degraded: Drift: /etc/x", warning=True)
+    again = KubeBackend(NODE, kubeconfig=kubeconfig(tmp_path, api.port), sleep=lambda _d: None)  # type: ignore[attr-defined]
+    again.event("Drift", "nic: Degraded: Drift: /etc/x", warning=True)
+    assert [ev["count"] for ev in api.stored.values()] == [2]
+    assert [m for m, _ in event_requests(api)] == ["POST", "POST", "GET", "PATCH"]  # 409, read
+    again.event("Drift", "nic: Degraded: Drift: /etc/x", warning=True)
+    assert [ev["count"] for ev in api.stored.values()] == [3]
+
+
+def test_an_expired_event_is_created_again(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    be.event("ModulesLoaded", "nic: Done")
+    api.stored.clear()  # the API server's Event TTL (1 h by default) removed it
+    be.event("ModulesLoaded", "nic: Done")
+    assert [ev["count"] for ev in api.stored.values()] == [1]
+    assert [m for m, _ in event_requests(api)] == ["POST", "PATCH", "POST"]
+
+
+def test_a_flapping_instance_cannot_flood_the_api_server(
+    api: FakeAPI, backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    be, _ = backend
+    for i in range(60):
+        state = ("Degraded: LoadFailed: x", "Done")[i % 2]
+        be.event("LoadFailed" if i % 2 == 0 else "ModulesLoaded", f"nic: {state}")
+    assert len(event_requests(api)) == 25  # the burst; the rest dropped until tokens refill
+    assert len(api.stored) == 2  # and what was posted counted on two Events
+    assert sum(ev["count"] for ev in api.stored.values()) == 25
+    limited = [r for r in caplog.records if "node events limited" in r.getMessage()]
+    assert len(limited) == 1  # said once, not per dropped event
+
+
 def ctx(tmp_path: Path, settings: Settings) -> Context:
     cfg = InstanceConfig(
         "nic",
@@ -487,7 +566,7 @@ def ctx(tmp_path: Path, settings: Settings) -> Context:
     return Context(root, "nic", "6.1.0", settings, cfg, lambda _e: None)
 
 
-def test_reporter_publishes_and_posts_one_event_per_state_change(
+def test_reporter_publishes_and_posts_an_event_per_state_change(
     api: FakeAPI, tmp_path: Path
 ) -> None:
     settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
@@ -513,6 +592,18 @@ def test_reporter_publishes_and_posts_one_event_per_state_change(
         assert ann["other.io/keep"] == "yes"
         assert [e["reason"] for e in api.events] == ["ModulesLoaded", "LoadFailed"]
         assert len(patches(api)) == 2  # the repeated Done cost nothing
+        rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
+        rep.after(
+            c, Record("nic", "Done", goal="unloaded", version="1.0", kernel="6.1.0", boot_id="b")
+        )
+        # Loaded again: the same Event as the first, counted; unloaded: its own.
+        assert [e["reason"] for e in api.events] == [
+            "ModulesLoaded",
+            "LoadFailed",
+            "ModulesUnloaded",
+        ]
+        loaded = [e for e in api.stored.values() if e["reason"] == "ModulesLoaded"]
+        assert [e["count"] for e in loaded] == [2]
     finally:
         rep.stop()
 
@@ -544,3 +635,43 @@ def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:
     finally:
         rep.stop()
         up.stop()
+
+
+def granted() -> set[tuple[str, str]]:
+    """(resource, verb) pairs packaging/kubernetes/rbac.yaml grants kvcd's ServiceAccount."""
+    rbac = Path(__file__).resolve().parents[2] / "packaging/kubernetes/rbac.yaml"
+    out = set()
+    for doc in yaml.safe_load_all(rbac.read_text()):
+        if doc and doc["kind"] in ("ClusterRole", "Role"):
+            for rule in doc["rules"]:
+                out |= {(r, v) for r in rule["resources"] for v in rule["verbs"]}
+    return out
+
+
+def needed(method: str, path: str, query: dict[str, Any]) -> tuple[str, str]:
+    resource = "events" if path.startswith(EVENTS) else "nodes"
+    if method == "GET" and query.get("watch") == ["true"]:
+        return resource, "watch"
+    if method == "GET" and path in ("/api/v1/nodes", EVENTS):
+        return resource, "list"
+    return resource, {"GET": "get", "PATCH": "patch", "POST": "create"}[method]
+
+
+def test_every_request_is_one_the_shipped_rbac_allows(
+    api: FakeAPI, backend: Any, tmp_path: Path
+) -> None:
+    """Docs are tests: packaging/kubernetes/rbac.yaml is what an admin applies; a request the
+    backend makes that it does not allow would fail only in a real cluster."""
+    be, _ = backend
+    seen = threading.Event()
+    be.watch(lambda _v: seen.set())
+    be.update(lambda v: {"kvcd.io/nic.state": "Done"})
+    assert seen.wait(10)
+    be.event("LoadFailed", "nic: x", warning=True)
+    be.event("LoadFailed", "nic: x", warning=True)
+    KubeBackend(NODE, kubeconfig=kubeconfig(tmp_path, api.port), sleep=lambda _d: None).event(  # type: ignore[attr-defined]
+        "LoadFailed", "nic: x", warning=True
+    )
+    used = {needed(m, path, q if isinstance(q, dict) else {}) for m, path, _ct, q in api.requests}
+    assert {("nodes", "watch"), ("nodes", "patch"), ("events", "get")} <= used
+    assert used <= granted(), used - granted()

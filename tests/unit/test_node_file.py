@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from kvcd import cli
+from kvcd.core.nodeevents import state_reason
 from kvcd.daemon.record import Record
-from kvcd.daemon.report import event_reason, node_patch, parse_edits
+from kvcd.daemon.report import node_patch, parse_edits, published
 from kvcd.host.paths import HostRoot
 from kvcd.node.backend import MAX_VALUE, NodeView, NodeWriter, Unavailable, node_name
 from kvcd.node.filebackend import FileBackend, node_file
@@ -220,7 +221,7 @@ def test_node_patch(rec: Record, expect: dict[str, str | None]) -> None:
     ],
 )
 def test_event_reason_is_stable_vocabulary(rec: Record, reason: str) -> None:
-    assert event_reason(rec) == reason
+    assert state_reason(published(rec)) == reason
 
 
 @pytest.mark.parametrize(
