@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
             verb, help=f"set (KEY=VALUE) or remove (KEY-) node {what} in the node file"
         )
         nv.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
+    mt = sub.add_parser("metrics", help="every instance's metrics (or one's), Prometheus text")
+    mt.add_argument("instance", metavar="NAME", nargs="?")
+    mt.add_argument(
+        "--write",
+        action="store_true",
+        help="write metrics_dir/kvcd-NAME.prom (node_exporter's textfile collector) instead",
+    )
     wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
     wr.add_argument("instance", metavar="NAME")
     wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
@@ -163,6 +170,10 @@ def _verb(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.kabi import kabi_command
 
         return kabi_command(root, args.target, args.kernel, args.json)
+    if args.verb == "metrics":
+        from kvcd.daemon.metrics import metrics_command
+
+        return metrics_command(root, args.instance, args.write)
     if args.verb == "capabilities":
         from kvcd.daemon.variants import capabilities_command
 

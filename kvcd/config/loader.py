@@ -218,6 +218,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "drain_timeout": rules.valid_seconds,
         "drift_interval": rules.valid_drift_interval,
         "module_tree": lambda v, k: rules.valid_choice(v, k, rules.MODULE_TREES),
+        "metrics_dir": rules.valid_directory,
     }
     for key, rule in table.items():
         if key in data:

@@ -166,6 +166,9 @@ class Settings:
     # Where instance modules are installed: "kvcd" (kvcd's own module root under
     # /var/lib/kvcd/modules) or "system" (the system's /lib/modules, with weak-modules).
     module_tree: str = "kvcd"
+    # node_exporter's textfile collector directory: kvcd-<instance>.prom files, rewritten after
+    # each change (kvcd/daemon/metrics.py); "" = none (`kvcd metrics` still prints them).
+    metrics_dir: str = "/run/kvcd/metrics"
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import posixpath
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -80,6 +81,7 @@ SETTINGS_KEYS = (
     "drift_interval",
     "node_capabilities",
     "module_tree",
+    "metrics_dir",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")
@@ -385,6 +387,14 @@ def valid_abs_path(value: object, label: str) -> str:
     ):
         return value
     raise Invalid(f"'{label}' must be an absolute path, got {show(value)}")
+
+
+def valid_directory(value: object, label: str) -> str:
+    """An absolute, normalized directory path ("" allowed: off)."""
+    path = valid_abs_path(value, label)
+    if path and (path != posixpath.normpath(path) or path == "/"):
+        raise Invalid(f"'{label}' must be a normalized directory path, got {show(value)}")
+    return path
 
 
 def valid_seconds(value: object, label: str) -> float:

@@ -19,7 +19,7 @@ from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import drift as core
 from kvcd.core import state
 from kvcd.core.attempts import OBSERVE, RETRY
-from kvcd.daemon import store
+from kvcd.daemon import metrics, store
 from kvcd.daemon.driftcheck import Check, drop_applied, regenerate
 from kvcd.daemon.driftstore import (
     Hashes,
@@ -300,6 +300,7 @@ class DriftMonitor(Extension):
         if diffs:
             reason = state.reason_text(state.DRIFT, core.reason(diffs))
             if reason != self.drifted:
+                metrics.drift_detected()
                 for d in diffs:
                     log.warning("drift: %s", d.text(), extra=ctx.fields)
                 log.error(
@@ -383,6 +384,7 @@ class DriftMonitor(Extension):
         code = state.MODULE_REMOVED if finding.what == core.REMOVED else state.MODULE_REPLACED
         reason = state.reason_text(code, finding.detail)
         if reason != self.module_reason:
+            metrics.drift_detected()
             log.warning(
                 "%s; %s",
                 reason,

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig
 from kvcd.core import actions as act
+from kvcd.core import metrics as m
 from kvcd.core import state
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
-from kvcd.daemon import store
+from kvcd.daemon import metrics, store
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
@@ -33,6 +35,15 @@ if TYPE_CHECKING:
     from kvcd.host.podman import Podman
 
 log = logging.getLogger(__name__)
+
+# The metrics phase each kind of step counts towards (kvcd/core/metrics.py); a cached image is
+# a cache hit, not a build.
+_PHASES: dict[type, str] = {
+    act.AcquireImage: m.BUILD,
+    act.Extract: m.EXTRACT,
+    act.Activate: m.DEPMOD,
+    act.Load: m.LOAD,
+}
 
 
 @dataclass
@@ -72,6 +83,7 @@ class Executor:
         # for all of them at the first load (one process, not one per module: #20), and asked
         # again after anything changes the tree (an activation, a rollback's).
         self._to_load: tuple[str, ...] = ()
+        self._cache_hit = False  # set by _acquire when the image was cached
         self._resolved: dict[str, str | None] = {}
         self._resolve_together = True
         self.fields = {
@@ -103,12 +115,18 @@ class Executor:
             raise StepFailed(state.MODULE_IN_USE, plan.blocked)
         attempt = Attempt()
         self._to_load = tuple(a.module for a in plan.actions if isinstance(a, act.Load))
+        spent: dict[str, float] = {}  # seconds per metrics phase, observed when all went through
         for action in plan.actions:
             self.on_step(action.describe())
             log.info("step: %s", action.describe(), extra=self.fields)
             try:
                 try:
+                    t0 = time.monotonic()
+                    self._cache_hit = False
                     self._apply(action, attempt)
+                    phase = _PHASES.get(type(action))
+                    if phase is not None and not self._cache_hit:
+                        spent[phase] = spent.get(phase, 0.0) + time.monotonic() - t0
                 except files.Refused:
                     raise  # someone's file where kvcd's belongs: not the host's refusal
                 except OSError as exc:  # a full /var, a read-only /run: undone, retried later
@@ -124,6 +142,8 @@ class Executor:
                         exc.code, f"{exc.detail} ({undone})", transient=exc.transient
                     ) from exc
                 raise
+        for phase, seconds in spent.items():
+            metrics.observe(phase, seconds)
 
     def _apply(self, a: act.Action, attempt: Attempt) -> None:
         if isinstance(a, act.AcquireImage):
@@ -154,7 +174,10 @@ class Executor:
             foreign = None if cached is None else self._not_ours(cached.labels)
             if cached is not None and foreign is None:
                 log.info("image %s is cached; no build", a.tag, extra=self.fields)
+                self._cache_hit = True
+                metrics.count(m.IMAGE_CACHE_HITS)
                 return
+            metrics.count(m.IMAGE_CACHE_MISSES)
             if foreign is not None:
                 log.warning(
                     "cached image %s was built %s; building it again",

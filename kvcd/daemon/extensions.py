@@ -60,6 +60,10 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     from kvcd.daemon.libraries import LibraryProof
 
     out.append(LibraryProof())
+    # Metrics: the counts kept on disk, the textfile rewritten in a child (after READY=1).
+    from kvcd.daemon.metrics import MetricsFile
+
+    out.append(MetricsFile())
     # The reporter's after-hook runs LAST: it publishes what the other after-hooks set.
     reporter: list[Extension] = [Reporter(link)]
     return out + reporter

@@ -17,14 +17,16 @@ no retry of the running kernel's load); it is how a new outcome reaches the node
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
+from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
-from kvcd.daemon import storegc
+from kvcd.daemon import metrics, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, writing
@@ -251,7 +253,8 @@ class NextKernel(Extension):
             return NONE
         fields["KVCD_NEXT_KERNEL"] = nb.kernel
         previous = self.outcome
-        if previous is None or previous.kernel != nb.kernel or previous.state != READY:
+        fresh = previous is None or previous.kernel != nb.kernel or previous.state != READY
+        if fresh:
             log.info(
                 "next kernel %s (%s: %s); preparing %s",
                 nb.kernel,
@@ -261,6 +264,7 @@ class NextKernel(Extension):
                 extra=fields,
             )
             self.write(ctx, record, Outcome(nb.kernel, PREPARING))
+        t0 = time.monotonic()
         try:
             outcome = prepare(
                 ctx.root,
@@ -274,6 +278,8 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
+        if fresh and outcome.state == READY:
+            metrics.observe(NEXT_KERNEL, time.monotonic() - t0)
         # A ready kernel's reason may change wording on a later look; a failure's is news.
         same = previous is not None and (outcome.kernel, outcome.state) == (
             previous.kernel,

@@ -130,6 +130,10 @@ class HostRoot:
         full or read-only /var): what the daemon knows, for `kvcd status`, until it can."""
         return self.runtime / f"{instance}.unsaved.json"
 
+    def metrics_counts(self, instance: str) -> Path:
+        """The daemon's metric counts (phase durations, drift events, image cache hits)."""
+        return self.runtime / f"{instance}.metrics.json"
+
     def reload_lock(self, instance: str) -> Path:
         """Held by `kvcd reload` while it numbers its request."""
         return self.runtime / f"{instance}.reload-lock"

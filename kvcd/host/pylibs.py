@@ -56,6 +56,7 @@ INOTIFY = Package("inotify_simple", "inotify_simple", "python3-inotify_simple")
 PYUDEV = Package("pyudev", "pyudev", "python3-pyudev")
 PSUTIL = Package("psutil", "psutil", "python3-psutil")
 PYROUTE2 = Package("pyroute2", "pyroute2", "python3-pyroute2")
+PROMETHEUS = Package("prometheus_client", "prometheus_client", "python3-prometheus_client")
 KUBERNETES = Package("kubernetes", "kubernetes", "python3-kubernetes")
 PYDBUS = Package("pydbus", "pydbus", "python3-pydbus")
 # pydbus runs on GLib's D-Bus through PyGObject (gi); Fedora/RHEL ship it as python3-gobject.
@@ -68,6 +69,7 @@ REQUIRED: tuple[Requirement, ...] = (
     Requirement("udev module and device events", (PYUDEV,)),
     Requirement("holder checks", (PSUTIL,)),
     Requirement("link readiness (netlink)", (PYROUTE2,)),
+    Requirement("metrics (Prometheus text format)", (PROMETHEUS,)),
 )
 NODE_KUBERNETES = Requirement("node backend kubernetes", (KUBERNETES,))
 RPMOSTREE_DBUS = Requirement("rpm-ostree D-Bus", (PYDBUS, PYGOBJECT))

@@ -42,6 +42,7 @@ RESIDENT_NEVER = (
     "kubernetes",
     "pydbus",
     "gi",
+    "prometheus_client",  # the metrics textfile is written by a child (kvcd/daemon/metrics.py)
 )
 
 # `kvcd run`, writing sys.modules to $KVCD_MODULES_TO once the late hooks of a cycle are done.
@@ -66,11 +67,11 @@ sys.exit(main(sys.argv[1:]))
 
 
 def settled_daemon(
-    tmp: Path, pythonpath: list[Path], want: str = "Done"
+    tmp: Path, pythonpath: list[Path], want: str = "Done", also: str | None = None
 ) -> tuple[set[str], dict[str, object]]:
     """(modules imported, record) of a `kvcd run e2e` whose late hooks have run in a cycle
     that left the record in state `want` (the library proof ends beside the loop: a broken
-    library is Degraded in the cycle its event wakes)."""
+    library is Degraded in the cycle its event wakes), and host file `also` exists."""
     root = HostRoot(tmp / "root")
     fakehost.make_host(root, K)
     fakehost.store_version(root, "e2e", "1.0", K, MODS)
@@ -102,7 +103,7 @@ def settled_daemon(
         while proc.poll() is None and time.monotonic() < deadline:
             if to.exists():
                 record = json.loads(root.state_file("e2e").read_text())
-                if record.get("state") == want:
+                if record.get("state") == want and (also is None or root(also).exists()):
                     break
             time.sleep(0.05)
         assert to.exists(), (tmp / "stderr").read_text()[-3000:]
@@ -120,10 +121,14 @@ def resident(modules: set[str]) -> list[str]:
 def test_a_settled_daemon_has_proven_its_libraries_without_importing_them(
     tmp_path: Path,
 ) -> None:
-    modules, record = settled_daemon(tmp_path, [])
+    prom = "/run/kvcd/metrics/kvcd-e2e.prom"
+    modules, record = settled_daemon(tmp_path, [], also=prom)
     assert record["state"] == "Done", record
     assert "kvcd.daemon.libraries" in modules  # the proof ran
     assert resident(modules) == []
+    # The metrics textfile, written by a child with prometheus_client.
+    text = (tmp_path / "root" / prom.lstrip("/")).read_text()
+    assert 'kvcd_instance_state{instance="e2e",state="Done"} 1.0' in text
 
 
 def test_a_broken_library_degrades_the_daemon_with_its_import_error_and_stays_out(

@@ -156,6 +156,7 @@ def instance_files(root: HostRoot, name: str) -> set[Path]:
         root.links_note(name),
         root.unsaved_record(name),
         root.node_note(name),
+        root.metrics_counts(name),
     }
 
 
@@ -173,6 +174,7 @@ def node_files(root: HostRoot) -> set[Path]:
 
 # Names made of kvcd's own suffixes and node-wide names: where a collision would come from.
 PARTS = ["a", "modules", "depmod", "node", "reload", "reloaded", "lock", "drift", "links", "json"]
+PARTS += ["metrics"]
 PARTS += ["pid", "force", "unsaved", "-", ".", K]
 
 
@@ -185,6 +187,7 @@ PARTS += ["pid", "force", "unsaved", "-", ".", K]
         ("a", "a.reloaded"),
         ("a", "a.unsaved"),
         ("a", "a.node"),
+        ("a", "a.metrics"),
         ("modules", "x"),  # /run/kvcd/modules.lock was the node-wide owners lock
         (f"depmod-{K}", "x"),  # drift/depmod-<kernel>.json was the node-wide depmod record
         ("node", "x"),

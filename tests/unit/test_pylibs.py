@@ -77,6 +77,11 @@ REQUIRED_TABLE = [
         "kvcd needs the Python package 'pyroute2' (RPM python3-pyroute2) for link readiness "
         "(netlink): No module named 'pyroute2'",
     ),
+    (
+        "prometheus_client",
+        "kvcd needs the Python package 'prometheus_client' (RPM python3-prometheus_client) for "
+        "metrics (Prometheus text format): No module named 'prometheus_client'",
+    ),
 ]
 
 

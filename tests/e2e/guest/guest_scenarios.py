@@ -172,6 +172,35 @@ def test_b_stop_unloads_restart_uses_cache() -> None:
         assert dt < first, f"second start {dt:.1f}s not faster than first {first:.1f}s"
 
 
+def test_b_metrics_textfile_for_node_exporter() -> None:
+    """The daemon's child wrote /run/kvcd/metrics/kvcd-e2e-kmod.prom: it parses as the text
+    format, says Done with both modules loaded, and kept the first start's build time across
+    the restart (README "Metrics")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = Path(f"/run/kvcd/metrics/kvcd-{INSTANCE}.prom")
+
+    def values() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        if not prom.exists():
+            return None
+        text = prom.read_text()
+        got = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(text)
+            for x in fam.samples
+        }
+        done = got.get(("kvcd_instance_state", (("instance", INSTANCE), ("state", "Done"))))
+        return got if done == 1.0 else None
+
+    got = wait_for(values, 120, f"{prom} saying Done")
+    for mod in MODS:
+        assert got[("kvcd_module_loaded", (("instance", INSTANCE), ("module", mod)))] == 1.0
+    build = (("instance", INSTANCE), ("phase", "build"))
+    assert got[("kvcd_phase_duration_seconds_count", build)] >= 1.0, got
+    printed = sh(["kvcd", "metrics", INSTANCE]).stdout
+    assert f'kvcd_instance_state{{instance="{INSTANCE}",state="Done"}} 1.0' in printed, printed
+
+
 def test_c_reload_loads_new_version_and_params() -> None:
     assert both_loaded()
     set_instance(
