@@ -53,10 +53,13 @@ bench: setup
 	$(PYTHON) -m benchmarks $(BENCH_ARGS)
 
 # The guest benchmarks (tests/e2e/guest/bench_*.py), in one TCG guest: twenty instances started
-# at once (~15-25 min). Tables in out/e2e/e2e/results/ (fleet-table.md, timings.txt).
+# at once (bench_fleet, ~15-25 min), or kvcd beside KVC's own unit (bench_kvc, ~15 min; needs
+# KVC_UPSTREAM=DIR, a checkout of github.com/kmods-via-containers/kmods-via-containers). Tables
+# in out/e2e/e2e/results/ (fleet-table.md, kvc-table.md, timings.txt).
 BENCH_GUEST ?= bench_fleet
 bench-guest: setup
-	KVCD_E2E_ONLY="$(BENCH_GUEST)" scripts/e2e/run-guest.sh --mode e2e
+	KVCD_E2E_ONLY="$(BENCH_GUEST)" KVCD_KVC_UPSTREAM="$(KVC_UPSTREAM)" \
+		scripts/e2e/run-guest.sh --mode e2e
 
 rpm: setup
 	scripts/build-rpm.sh --lint

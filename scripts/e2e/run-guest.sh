@@ -90,6 +90,18 @@ T1=$(date +%s)
 echo "$MODE" >"$P/mode"
 # KVCD_E2E_ONLY="core scenarios_x reboot_y": run only these e2e steps (entry.sh), e.g. one file.
 [ -z "${KVCD_E2E_ONLY:-}" ] || echo "$KVCD_E2E_ONLY" >"$P/only"
+# KVCD_KVC_UPSTREAM=DIR: a checkout of KVC's upstream repository, for the side-by-side guest
+# benchmark (bench_kvc.py). Its script, conf and unit go into payload/kvc-upstream/; kvcd's
+# tree carries none of KVC's code.
+if [ -n "${KVCD_KVC_UPSTREAM:-}" ]; then
+    mkdir -p "$P/kvc-upstream"
+    for f in kmods-via-containers kmods-via-containers.conf kmods-via-containers@.service; do
+        [ -f "$KVCD_KVC_UPSTREAM/$f" ] ||
+            die "KVCD_KVC_UPSTREAM=$KVCD_KVC_UPSTREAM has no $f: it must be a checkout of" \
+                "github.com/kmods-via-containers/kmods-via-containers"
+        cp "$KVCD_KVC_UPSTREAM/$f" "$P/kvc-upstream/"
+    done
+fi
 [ -z "$CMD" ] || cp "$CMD" "$P/cmd.sh"
 echo "$KVER" >"$P/kver"
 echo "$INSTALL" >"$P/install-method"

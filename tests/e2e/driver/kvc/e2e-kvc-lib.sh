@@ -2,8 +2,13 @@
 # KVC-format library for scenario (f): installed as /usr/lib/kvc/e2e-kvc-lib.sh in the e2e guest.
 # Same shape as kmods-via-containers' simple-kmod-lib.sh: defines build_kmods, load_kmods,
 # unload_kmods and wrapper on top of the framework's kvc_c_build / kvc_c_run / kvc_c_images,
-# with KVC_SOFTWARE_NAME, KVC_KVER and the /etc/kvc/e2e-kvc.conf variables in scope.
+# with KVC_SOFTWARE_NAME and KVC_KVER in scope. Like simple-kmod-lib.sh it sources its own
+# conf: KVC's framework script never reads it (kvcd reads it as data, and passes its variables
+# too, so a library that does not source it runs under kvcd as well).
 set -eu
+
+# shellcheck source=/dev/null
+source "/etc/kvc/${KVC_SOFTWARE_NAME}.conf"
 
 IMAGE="localhost/${KVC_SOFTWARE_NAME}-${KMOD_SOFTWARE_VERSION}:${KVC_KVER}"
 
