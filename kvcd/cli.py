@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
             verb, help=f"set (KEY=VALUE) or remove (KEY-) node {what} in the node file"
         )
         nv.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
+    pg = sub.add_parser(
+        "purge", help="stop, unload and remove everything kvcd keeps for an instance"
+    )
+    pgg = pg.add_mutually_exclusive_group(required=True)
+    pgg.add_argument("instance", metavar="NAME", nargs="?")
+    pgg.add_argument("--all", action="store_true", help="every configured or recorded instance")
     mt = sub.add_parser("metrics", help="every instance's metrics (or one's), Prometheus text")
     mt.add_argument("instance", metavar="NAME", nargs="?")
     mt.add_argument(
@@ -170,6 +176,10 @@ def _verb(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.kabi import kabi_command
 
         return kabi_command(root, args.target, args.kernel, args.json)
+    if args.verb == "purge":
+        from kvcd.daemon.purge import purge_command
+
+        return purge_command(root, args.instance, args.all)
     if args.verb == "metrics":
         from kvcd.daemon.metrics import metrics_command
 

@@ -299,6 +299,11 @@ def test_scriptlets_are_the_systemd_macros(built: Built) -> None:
     assert "[ $1 -eq 0 ]" in s["preun"]
     assert f"{helper} remove-system-units kvcd@.service || :" in s["preun"]
     assert "systemctl stop 'kvcd@*.service' || :" in s["preun"]
+    # Erase purges every instance (README "Remove an instance, or kvcd"), never failing it.
+    assert "kvcd purge --all || echo" in s["preun"]
+    assert s["preun"].index("systemctl stop 'kvcd@*.service'") < s["preun"].index("kvcd purge")
+    assert "rm -rf /var/lib/kvcd /run/kvcd" in s["postun"]
+    assert "ls -A /var/lib/kvcd/instances" in s["postun"]
     assert "[ $1 -ge 1 ]" in s["postun"]
     assert f"{helper} mark-restart-system-units kvcd@.service || :" in s["postun"]
     # Every scriptlet runs with /bin/sh and can never fail the transaction on its own.

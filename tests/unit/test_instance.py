@@ -74,6 +74,15 @@ class FakePodman:
         self.calls.append(("gc", (instance, keep)))
         return []
 
+    def list_instance_images(self, instance: str) -> list[ImageInfo]:
+        self._check()
+        return [i for i in self.images.values() if i.labels.get("io.kvcd.instance") == instance]
+
+    def remove_image(self, image_id: str) -> None:
+        self._check()
+        self.calls.append(("remove", image_id))
+        self.images = {t: i for t, i in self.images.items() if i.id != image_id}
+
 
 @pytest.fixture
 def host(tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch) -> HostRoot:
