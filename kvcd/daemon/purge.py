@@ -119,21 +119,9 @@ def _module_trees(root: HostRoot, name: str) -> list[str]:
 
 
 def _files(root: HostRoot, settings: Settings, name: str) -> list[Path]:
-    """Every file kvcd keeps under the instance's name (tests/unit/test_names.py's set)."""
-    out = [
-        root.state_file(name),
-        driftstore.baseline_path(root, name),
-        root.force_file(name),
-        root.pid_file(name),
-        root.reload_request(name),
-        root.reload_lock(name),
-        root.reload_answer(name),
-        root.drift_note(name),
-        root.links_note(name),
-        root.unsaved_record(name),
-        root.node_note(name),
-        root.metrics_counts(name),
-    ]
+    """Every file kvcd keeps under the instance's name, but its lock (removed last)."""
+    out = [p for p in root.instance_files(name) if p != root.instance_lock(name)]
+    out.append(driftstore.baseline_path(root, name))
     if settings.metrics_dir:
         out.append(root(metrics.textfile(settings, name)))
     return out

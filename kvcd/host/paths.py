@@ -142,6 +142,25 @@ class HostRoot:
         """The daemon's answer to the newest reload it handled: that number and the outcome."""
         return self.runtime / f"{instance}.reloaded"
 
+    def instance_files(self, instance: str) -> tuple[Path, ...]:
+        """Every file kvcd keeps under the instance's name here (not its store, a directory,
+        nor its drift expectations, which kvcd/daemon/driftstore.py names): what `kvcd purge`
+        removes, and what no other instance's name may reach (tests/unit/test_names.py)."""
+        return (
+            self.state_file(instance),
+            self.instance_lock(instance),
+            self.force_file(instance),
+            self.pid_file(instance),
+            self.reload_request(instance),
+            self.reload_lock(instance),
+            self.reload_answer(instance),
+            self.drift_note(instance),
+            self.links_note(instance),
+            self.unsaved_record(instance),
+            self.node_note(instance),
+            self.metrics_counts(instance),
+        )
+
     # --- the running kernel ---
     @property
     def sys_module(self) -> Path:

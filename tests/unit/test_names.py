@@ -142,22 +142,7 @@ def instance_files(root: HostRoot, name: str) -> set[Path]:
     """Every file or directory kvcd keeps under the instance's name."""
     from kvcd.daemon import driftstore
 
-    return {
-        root.state_file(name),
-        root.store(name),
-        driftstore.baseline_path(root, name),
-        root.instance_lock(name),
-        root.force_file(name),
-        root.pid_file(name),
-        root.reload_request(name),
-        root.reload_lock(name),
-        root.reload_answer(name),
-        root.drift_note(name),
-        root.links_note(name),
-        root.unsaved_record(name),
-        root.node_note(name),
-        root.metrics_counts(name),
-    }
+    return {*root.instance_files(name), root.store(name), driftstore.baseline_path(root, name)}
 
 
 def node_files(root: HostRoot) -> set[Path]:
