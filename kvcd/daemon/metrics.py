@@ -112,8 +112,9 @@ class MetricsFile(Extension):
     def __init__(self) -> None:
         self._saved: m.Counts | None = None
         self._shown: tuple[Any, ...] | None = None
-        self._writer: threading.Thread | None = None
-        self._again = threading.Event()
+        self._lock = threading.Lock()
+        self._again = False  # a change the running child may not have seen
+        self._running = False
 
     def start(self, ctx: Context) -> None:
         kept = read_counts(ctx.root, ctx.name)
@@ -142,17 +143,20 @@ class MetricsFile(Extension):
 
     def _write_soon(self, ctx: Context) -> None:
         """One child at a time; a change while it runs has it run once more."""
-        self._again.set()
-        if self._writer is not None and self._writer.is_alive():
-            return
-        self._writer = threading.Thread(
-            target=self._write, args=(ctx,), name="kvcd-metrics", daemon=True
-        )
-        self._writer.start()
+        with self._lock:
+            self._again = True
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._write, args=(ctx,), name="kvcd-metrics", daemon=True).start()
 
     def _write(self, ctx: Context) -> None:
-        while self._again.is_set():
-            self._again.clear()
+        while True:
+            with self._lock:
+                if not self._again:
+                    self._running = False
+                    return
+                self._again = False
             problem = write_in_child(ctx.root, ctx.name)
             if problem:
                 log.warning("metrics file not written: %s", problem, extra=ctx.fields)

@@ -267,3 +267,30 @@ def test_the_hook_keeps_counts_on_disk_records_the_last_error_and_writes_the_fil
     while not textfile.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert 'kvcd_last_error_info{instance="nic",reason="LoadFailed"} 1.0' in textfile.read_text()
+
+
+def test_changes_while_the_child_runs_make_one_more_run_not_one_each(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    release, calls = threading.Event(), []
+
+    def child(_root: HostRoot, name: str) -> str | None:
+        calls.append(name)
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(metrics, "write_in_child", child)
+    ctx = Context(root, "nic", K, Settings(), None, lambda _e: None)  # type: ignore[arg-type]
+    hook = metrics.MetricsFile()
+    hook._write_soon(ctx)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(3):  # three changes while the first child runs
+        hook._write_soon(ctx)
+    release.set()
+    while hook._running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == ["nic", "nic"]
