@@ -159,7 +159,7 @@ class MetricsFile(Extension):
                 self._again = False
             problem = write_in_child(ctx.root, ctx.name)
             if problem:
-                log.warning("metrics file not written: %s", problem, extra=ctx.fields)
+                log.warning("metrics textfile: %s", problem, extra=ctx.fields)
 
 
 def write_in_child(root: HostRoot, name: str) -> str | None:
@@ -178,14 +178,18 @@ def write_in_child(root: HostRoot, name: str) -> str | None:
 # --- `kvcd metrics`: the Prometheus text ---------------------------------------------------
 
 
-def _families(root: HostRoot, name: str) -> list[Any]:
+def _families(root: HostRoot, name: str, problems: list[str]) -> list[Any]:
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         HistogramMetricFamily,
     )
 
-    rec = Record.load(root, name)
+    try:
+        rec = Record.load(root, name)
+    except OSError as exc:  # damaged or unreadable: Unknown here, said on stderr
+        problems.append(files.os_error(exc))
+        rec = None
     counts = read_counts(root, name)
     now_state = rec.state if rec else "Unknown"
     st = GaugeMetricFamily(
@@ -250,15 +254,17 @@ def _families(root: HostRoot, name: str) -> list[Any]:
     return out
 
 
-def render(root: HostRoot, names: list[str]) -> bytes:
-    """The Prometheus text format (0.0.4, node_exporter's textfile format) for `names`."""
+def render(root: HostRoot, names: list[str], problems: list[str] | None = None) -> bytes:
+    """The Prometheus text format (0.0.4, node_exporter's textfile format) for `names`; an
+    instance whose record cannot be read is Unknown, and why goes to `problems`."""
+    said: list[str] = [] if problems is None else problems
     from prometheus_client import CollectorRegistry, generate_latest
 
     class _Collector:
         def collect(self) -> Iterator[Any]:
             by_name: dict[str, Any] = {}
             for name in names:
-                for fam in _families(root, name):
+                for fam in _families(root, name, said):
                     if fam.name in by_name:  # one family per metric name, all instances in it
                         by_name[fam.name].samples.extend(fam.samples)
                     else:
@@ -281,14 +287,16 @@ def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
     from kvcd.daemon.record import recorded_names
 
     names = [only] if only else sorted(set(list_instances(root)) | set(recorded_names(root)))
+    problems: list[str] = []
     if not write:
-        sys.stdout.write(render(root, names).decode())
-        return 0
-    settings = load_settings(root)
-    if not settings.metrics_dir:
-        print('kvcd: metrics_dir = "" in kvcd.toml: no textfile to write', file=sys.stderr)
-        return 2
-    for name in names:
-        path = root(textfile(settings, name))
-        files.atomic_write(Path(path), render(root, [name]))
-    return 0
+        sys.stdout.write(render(root, names, problems).decode())
+    else:
+        settings = load_settings(root)
+        if not settings.metrics_dir:
+            print('kvcd: metrics_dir = "" in kvcd.toml: no textfile to write', file=sys.stderr)
+            return 2
+        for name in names:
+            files.atomic_write(Path(root(textfile(settings, name))), render(root, [name], problems))
+    for problem in problems:
+        print(f"kvcd: {problem} (its instance is Unknown in the metrics)", file=sys.stderr)
+    return 1 if problems else 0

@@ -294,3 +294,16 @@ def test_changes_while_the_child_runs_make_one_more_run_not_one_each(
     while hook._running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert calls == ["nic", "nic"]
+
+
+def test_a_damaged_record_is_unknown_named_on_stderr_and_the_others_still_print(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recorded(root, "good")
+    root.state_file("bad").write_text("garbage{")
+    assert cli.main(["--root", str(root.root), "metrics"]) == 1
+    out, err = capsys.readouterr()
+    got = samples(out)
+    assert got[("kvcd_instance_state", (("instance", "bad"), ("state", "Unknown")))] == 1.0
+    assert got[("kvcd_instance_state", (("instance", "good"), ("state", "Done")))] == 1.0
+    assert f"{root.state_file('bad')}: is not valid JSON" in err
