@@ -8,7 +8,7 @@ In order, stopping at the first refusal so that nothing is half-removed:
 3. the instance's links (or, with module_tree = "system", its installed copies) in every
    kernel's module tree, each tree re-indexed;
 4. its store of extracted modules, its state record, drift expectations, runtime files and
-   metrics;
+   metrics, and the damaged copies of them kvcd set aside;
 5. its node annotations (`<prefix>/<stem>.*`; a drain claim withdrawn recomputes the node-wide
    request); the label an admin set for it (ordered upgrade) stays;
 6. its driver images (labelled `io.kvcd.instance=NAME`).
@@ -186,6 +186,8 @@ def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None)
             shutil.rmtree(store)
         for path in _files(root, settings, name):
             path.unlink(missing_ok=True)
+            for aside in path.parent.glob(f"{path.name}.damaged-*"):  # files.set_aside's
+                aside.unlink()
     root.instance_lock(name).unlink(missing_ok=True)
     left = []
     why = _node(root, settings, name)

@@ -85,6 +85,8 @@ def test_purge_removes_everything_of_one_instance_and_nothing_else(host: HostRoo
     load(host, pod, "e2e")
     load(host, pod, "other")
     host.force_file("e2e").write_text("")
+    aside = host.state_file("e2e").with_name("e2e.json.damaged-20261126T000000")
+    aside.write_text("{")
     host.metrics_counts("e2e").write_text("{}")
     (host.runtime / "metrics").mkdir()
     (host.runtime / "metrics" / "kvcd-e2e.prom").write_text("x 1\n")
