@@ -103,6 +103,9 @@ _RENDER = (
 )
 
 
+_UNSEEN = object()
+
+
 class MetricsFile(Extension):
     """Keeps the counts on disk and has the textfile rewritten when what it says changed."""
 
@@ -115,6 +118,7 @@ class MetricsFile(Extension):
         self._lock = threading.Lock()
         self._again = False  # a change the running child may not have seen
         self._running = False
+        self._degraded: str | object | None = _UNSEEN  # the Degraded code of the last record
 
     def start(self, ctx: Context) -> None:
         kept = read_counts(ctx.root, ctx.name)
@@ -122,11 +126,14 @@ class MetricsFile(Extension):
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         counts = snapshot()
-        if record.state == DEGRADED and (record.updated, record.code) != (
-            counts.last_error_time,
-            counts.last_error_code,
-        ):
+        # The last error is when the instance went Degraded (or its reason changed), not each
+        # rewrite of a Degraded record. Right after a start, the same reason as the counts
+        # kept is the same episode.
+        code = record.code if record.state == DEGRADED else None
+        first = self._degraded is _UNSEEN and code == counts.last_error_code
+        if code is not None and code != self._degraded and not first:
             counts = _METER.change(lambda c: c.error(record.updated, record.code))
+        self._degraded = code
         if counts != self._saved:
             try:
                 files.write_json(ctx.root.metrics_counts(ctx.name), counts.to_json())

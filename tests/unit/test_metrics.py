@@ -307,3 +307,38 @@ def test_a_damaged_record_is_unknown_named_on_stderr_and_the_others_still_print(
     assert got[("kvcd_instance_state", (("instance", "bad"), ("state", "Unknown")))] == 1.0
     assert got[("kvcd_instance_state", (("instance", "good"), ("state", "Done")))] == 1.0
     assert f"{root.state_file('bad')}: is not valid JSON" in err
+
+
+@pytest.mark.parametrize(
+    ("kept", "records", "when"),
+    [
+        # (state, code, updated) per cycle -> the last error's time afterwards
+        pytest.param("", [("Done", "", 1.0), ("Degraded", "LoadFailed", 2.0)], 2.0, id="went"),
+        pytest.param(
+            "", [("Degraded", "LoadFailed", 2.0), ("Degraded", "LoadFailed", 9.0)], 2.0,
+            id="a-rewrite-is-not-a-new-error",
+        ),
+        pytest.param(
+            "", [("Degraded", "LoadFailed", 2.0), ("Degraded", "Drift", 5.0)], 5.0,
+            id="another-reason-is",
+        ),
+        pytest.param(
+            "", [("Degraded", "Drift", 2.0), ("Done", "", 3.0), ("Degraded", "Drift", 7.0)], 7.0,
+            id="again-after-done",
+        ),
+        pytest.param("LoadFailed", [("Degraded", "LoadFailed", 8.0)], 1.0, id="restart-same"),
+        pytest.param("Drift", [("Degraded", "LoadFailed", 8.0)], 8.0, id="restart-other"),
+    ],
+)  # fmt: skip
+def test_the_last_error_is_when_it_went_degraded(
+    root: HostRoot, kept: str, records: list[tuple[str, str, float]], when: float
+) -> None:
+    ctx = Context(root, "nic", K, Settings(metrics_dir=""), None, lambda _e: None)  # type: ignore[arg-type]
+    root.runtime.mkdir(parents=True)
+    before = m.Counts().error(1.0, kept) if kept else m.Counts()
+    root.metrics_counts("nic").write_text(json.dumps(before.to_json()))
+    hook = metrics.MetricsFile()
+    hook.start(ctx)
+    for st, code, updated in records:
+        hook.after(ctx, Record("nic", st, code, "x" if code else "", updated=updated))
+    assert metrics.snapshot().last_error_time == when
