@@ -147,7 +147,11 @@ def require_all(importer: Importer = importlib.import_module) -> None:
 # The child of :func:`require_all_in_child`: argv[1] is the daemon's sys.path (JSON), the rest
 # the modules; it prints {module: why it does not import, or null} as one JSON line.
 _PROBE = """\
-import importlib, json, sys
+import importlib, json, os, sys
+try:  # idle class: the imports take seconds of CPU in a slow guest; nothing waits for them
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
 sys.path[:] = json.loads(sys.argv[1])
 why = {}
 for name in sys.argv[2:]:
