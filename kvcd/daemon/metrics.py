@@ -297,12 +297,10 @@ def textfile(settings: Settings, name: str) -> str:
 
 
 def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
-    from pathlib import Path
+    from kvcd.config.loader import load_settings
+    from kvcd.daemon.record import known_names
 
-    from kvcd.config.loader import list_instances, load_settings
-    from kvcd.daemon.record import recorded_names
-
-    names = [only] if only else sorted(set(list_instances(root)) | set(recorded_names(root)))
+    names = [only] if only else known_names(root)
     problems: list[str] = []
     if not write:
         sys.stdout.write(render(root, names, problems).decode())
@@ -312,7 +310,7 @@ def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
             print('kvcd: metrics_dir = "" in kvcd.toml: no textfile to write', file=sys.stderr)
             return 2
         for name in names:
-            files.atomic_write(Path(root(textfile(settings, name))), render(root, [name], problems))
+            files.atomic_write(root(textfile(settings, name)), render(root, [name], problems))
     for problem in problems:
         print(f"kvcd: {problem} (its instance is Unknown in the metrics)", file=sys.stderr)
     return 1 if problems else 0

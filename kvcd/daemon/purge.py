@@ -29,13 +29,13 @@ from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcd.config.loader import list_instances, load_instance, load_settings
+from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drain as hs
 from kvcd.core.state import StepFailed
 from kvcd.daemon import driftstore, metrics
 from kvcd.daemon.observe import host_for
-from kvcd.daemon.record import Record, recorded_names
+from kvcd.daemon.record import Record, known_names, recorded_names
 from kvcd.host import files, kmod, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.node.keys import Keys, stem
@@ -201,14 +201,14 @@ def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None)
 
 def purge_command(root: HostRoot, name: str | None, every: bool) -> int:
     if every:  # configured or recorded; a config that cannot be listed still has its records
-        try:
-            configured = set(list_instances(root))
-        except ConfigError:
-            configured = set()
         from kvcd.core.names import instance_problem
 
+        try:
+            every_name = known_names(root)
+        except ConfigError:  # the configs cannot be listed: their records still can
+            every_name = recorded_names(root)
         names = []
-        for n in sorted(configured | set(recorded_names(root))):
+        for n in every_name:
             problem = instance_problem(n)
             if problem:  # a stray file in kvcd's directory: its name is not an instance's
                 print(f"kvcd: purge: skipped {n!r}: {problem}", file=sys.stderr)

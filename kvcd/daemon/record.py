@@ -30,6 +30,14 @@ def recorded_names(root: HostRoot) -> list[str]:
         return []
 
 
+def known_names(root: HostRoot) -> list[str]:
+    """Every instance configured or recorded, sorted (`kvcd status`, `metrics`, `purge --all`).
+    ConfigError when the configured ones cannot be listed."""
+    from kvcd.config.loader import list_instances
+
+    return sorted(set(list_instances(root)) | set(recorded_names(root)))
+
+
 class KernelUnknown(OSError):
     """The running kernel's release cannot be read, or is not one kvcd can use."""
 

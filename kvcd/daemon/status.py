@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcd.config.loader import list_instances, load_instance, load_settings
+from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import attempts, state
-from kvcd.daemon.record import Record, boot_id, recorded_names, unsaved
+from kvcd.daemon.record import Record, boot_id, known_names, unsaved
 from kvcd.host import files, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
 from kvcd.host.paths import HostRoot
@@ -166,7 +166,7 @@ def _processes(root: HostRoot, module: str) -> list[str]:
 
 
 def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
-    names = sorted(set(list_instances(root)) | set(recorded_names(root)))
+    names = known_names(root)
     if only is not None:
         names = [only]
     current_boot = boot_id(root)
