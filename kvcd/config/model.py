@@ -80,7 +80,8 @@ class InstanceConfig:
     image: str | None = None
     # Where the module files sit inside the image; {kernel} is replaced.
     modules_path: str = "/lib/modules/{kernel}/"
-    unload_on_stop: bool = True
+    # What stopping does with the loaded modules: "if-idle" | "never" | "drain" (core/drain.py).
+    unload_policy: str = "if-idle"
     keep_images: int = 3
     wrapper_args: tuple[str, ...] = ()
     # KVC compatibility: the root-owned hook library, when the instance has one.

@@ -11,6 +11,7 @@ from kvcd.config import rules
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec
 from kvcd.config.tomlsrc import KeyLines, decode
 from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
+from kvcd.core.state import IF_IDLE, NEVER, UNLOAD_POLICIES
 
 # --- native TOML ---------------------------------------------------------------------------
 
@@ -35,6 +36,29 @@ class TomlInstance:
         """A [variants.<name>.build] table: the [build] rules, key paths under the variant."""
         return TomlInstance.build_source(_Under(self, where), raw)  # type: ignore[arg-type]
 
+    def unload_policy(self, data: dict[str, Any]) -> str:
+        """`unload_policy`, or the older `unload_on_stop` (true = "if-idle", false = "never")."""
+        if "unload_policy" in data and "unload_on_stop" in data:
+            raise self.fail(
+                "'unload_on_stop' is the older spelling of 'unload_policy': set only "
+                "'unload_policy'",
+                "unload_on_stop",
+            )
+        if "unload_policy" in data:
+            policy: str = self.check(
+                lambda v, k: rules.valid_choice(v, k, UNLOAD_POLICIES),
+                data["unload_policy"],
+                "unload_policy",
+            )
+            return policy
+        value = data["unload_on_stop"]
+        if not isinstance(value, bool):
+            raise self.fail(
+                f"'unload_on_stop' must be true or false, got {rules.show(value)}",
+                "unload_on_stop",
+            )
+        return IF_IDLE if value else NEVER
+
     def build(self) -> InstanceConfig:
         data = self.data
         rules.unknown_keys(data, rules.TOP_KEYS, "top level", self.fail)
@@ -56,14 +80,8 @@ class TomlInstance:
             values["modules_path"] = self.check(
                 rules.valid_modules_path, data["modules_path"], "modules_path"
             )
-        if "unload_on_stop" in data:
-            value = data["unload_on_stop"]
-            if not isinstance(value, bool):
-                raise self.fail(
-                    f"'unload_on_stop' must be true or false, got {rules.show(value)}",
-                    "unload_on_stop",
-                )
-            values["unload_on_stop"] = value
+        if "unload_policy" in data or "unload_on_stop" in data:
+            values["unload_policy"] = self.unload_policy(data)
         if "keep_images" in data:
             value = data["keep_images"]
             in_range = isinstance(value, int) and 1 <= value <= rules.MAX_KEEP_IMAGES

@@ -55,6 +55,7 @@ TOP_KEYS = (
     "modules",
     "image",
     "modules_path",
+    "unload_policy",
     "unload_on_stop",
     "keep_images",
     "wrapper_args",

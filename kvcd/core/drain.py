@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvcd.core.state import DRAIN_PENDING, MODULE_IN_USE, REBOOT_PENDING
+from kvcd.core.state import (
+    DRAIN_PENDING,
+    IF_IDLE,
+    MODULE_IN_USE,
+    NEVER,
+    REBOOT_PENDING,
+    UNLOAD_DRAIN,
+)
 
 # Node-wide values (contract).
 IDLE = "Idle"
@@ -184,3 +191,35 @@ def node_value(annotations: Mapping[str, str], prefix: str, suffix: str = ".drai
     if DRAIN_REQUIRED in kinds:
         return DRAIN_REQUIRED
     return IDLE
+
+
+# --- Stopping (issue #17): `unload_policy`, what `systemctl stop kvcd@NAME` does -----------------
+# The policies are in kvcd.core.state (config reads them without importing this module).
+# How the previous step of a stop ended.
+STOPPING = "stopping"  # nothing tried yet
+IN_USE = "in-use"  # the unload was refused up front: a module is in use (ModuleInUse)
+DRAINED = "drained"  # the drain controller answered DrainComplete
+NOT_DRAINED = "not-drained"  # no answer within drain_timeout, or the node could not be asked
+
+# The next step.
+KEEP_LOADED = "keep-loaded"  # exit 0, modules stay
+UNLOAD = "unload"  # unload and verify (success: exit 0; any other failure: exit 1)
+REQUEST = "request-drain"  # claim Drain_Required, wait for DrainComplete
+REFUSE = "refuse"  # exit 1, modules stay, the reason (and holders) in the journal
+
+# (policy, how the last step ended, a drain was requested during this stop) -> next step.
+# A drain is requested at most once per stop: still in use after it -> refuse.
+STOP: dict[tuple[str, str, bool], str] = {
+    (NEVER, STOPPING, False): KEEP_LOADED,
+    (IF_IDLE, STOPPING, False): UNLOAD,
+    (IF_IDLE, IN_USE, False): REFUSE,
+    (UNLOAD_DRAIN, STOPPING, False): UNLOAD,
+    (UNLOAD_DRAIN, IN_USE, False): REQUEST,
+    (UNLOAD_DRAIN, DRAINED, True): UNLOAD,
+    (UNLOAD_DRAIN, IN_USE, True): REFUSE,
+    (UNLOAD_DRAIN, NOT_DRAINED, True): REFUSE,
+}
+
+
+def stop_step(policy: str, last: str, requested: bool) -> str:
+    return STOP[(policy, last, requested)]

@@ -8,6 +8,13 @@ DONE = "Done"
 WORKING = "Working"
 DEGRADED = "Degraded"
 
+# Unload policies (`unload_policy`, issue #17): what stopping the instance does with its modules;
+# the steps are the table kvcd.core.drain.STOP.
+IF_IDLE = "if-idle"  # unload; a module in use refuses the stop, its holders named
+NEVER = "never"  # the modules stay loaded (drivers the node cannot run without)
+UNLOAD_DRAIN = "drain"  # unload; a module in use first asks the cluster to drain the node
+UNLOAD_POLICIES = (IF_IDLE, NEVER, UNLOAD_DRAIN)
+
 # Reason codes: the first word of every reason. Stable; add, never rename.
 CONFIG_INVALID = "ConfigInvalid"
 PODMAN_UNAVAILABLE = "PodmanUnavailable"

@@ -62,14 +62,22 @@ def _with_holders(detail: str, holders: str) -> str:
 class Drain(Extension):
     name = "drain"
 
-    def __init__(self, link: NodeLink, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        link: NodeLink,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.link = link
         self.clock = clock
+        self.sleep = sleep  # between looks at the node while a stop waits for a drain
         self._timer: threading.Timer | None = None
         self._seen: str | None = None
         self._lock = threading.Lock()
         self._started = False
         self._checked = False  # a left-over claim looked for (drain = none)
+        self._stop_claim = False  # drain_for_stop's claim is on the node
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
@@ -150,6 +158,53 @@ class Drain(Extension):
         if seen is not None and seen[0] is not None and self._set_claim(ctx, None):
             log.info(
                 "drain claim withdrawn: this instance no longer uses drain = cluster",
+                extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},
+            )
+
+    # --- stopping with unload_policy = "drain" -------------------------------------------------
+    def drain_for_stop(
+        self,
+        ctx: Context,
+        why: str,
+        keepalive: Callable[[], None],
+        poll: float = 2.0,
+    ) -> str | None:
+        """The modules are in use as the instance stops: claim a node drain and wait (at most
+        `drain_timeout`) for the controller's DrainComplete. None once it came, else why not.
+        The claim stays until :meth:`release_for_stop`, after the unload: the node is not
+        uncordoned before the modules are out. `keepalive` runs between looks (the unit's stop
+        timeout is pushed out by the caller)."""
+        boot = boot_id(ctx.root) or ""
+        claim = hs.Claim(hs.DRAIN_REQUIRED, boot, self.clock())
+        if not self._set_claim(ctx, claim):
+            return "cannot request a node drain: the node is unreachable"
+        self._stop_claim = True
+        current_key = nodekeys.drain_current_key(self.link.prefix)
+        log.warning(
+            "%s: stopping with modules in use (%s); waiting for %s=%s",
+            hs.DRAIN_REQUIRED,
+            why,
+            current_key,
+            hs.DRAIN_COMPLETE,
+            extra={**ctx.fields, "KVCD_DRAIN": hs.REQUEST_DRAIN},
+        )
+        timeout = ctx.settings.drain_timeout
+        while True:
+            seen = self._read(ctx)
+            step = hs.before(claim, seen[1] if seen else "", self.clock(), timeout, boot)
+            if step == hs.PROCEED:
+                return None
+            if step == hs.TIMEOUT:
+                return f"no {hs.DRAIN_COMPLETE} within {timeout:.0f}s of the drain request"
+            keepalive()
+            self.sleep(poll)
+
+    def release_for_stop(self, ctx: Context) -> None:
+        """Withdraw the claim :meth:`drain_for_stop` made (the last one writes `<p>/drain=Idle`)."""
+        if self._stop_claim and self._set_claim(ctx, None):
+            self._stop_claim = False
+            log.info(
+                "drain claim withdrawn (stopped)",
                 extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},
             )
 

@@ -390,20 +390,15 @@ class Service:
 
     def stop(self) -> int:
         self.notify.stopping()
-        cfg = self.cfg
-        if cfg is None or not cfg.unload_on_stop:
+        if self.cfg is None:  # never had a good config: nothing of it was loaded by this process
             log.info("stopping; modules stay loaded", extra=self.fields)
             return 0
-        inst = self._instance()
-        if inst is None:
-            return 1
-        try:
-            with Keepalive(self.notify):
-                inst.apply("unload", pid=os.getpid())
-        except StepFailed as exc:
-            log.error("could not unload on stop: %s", exc, extra=self.fields)
-            return 1
-        return 0
+        from kvcd.daemon import stopping
+        from kvcd.daemon.drain import Drain
+
+        drain = next((e for e in self.exts if isinstance(e, Drain)), None)
+        policy = self.cfg.unload_policy
+        return stopping.stop(policy, self._instance, self.notify, self.fields, drain, self.ctx)
 
     def run(self) -> int:
         self._install()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcd.config.loader import load_instance, load_settings
-from kvcd.config.model import ConfigError, Settings
+from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
 from kvcd.daemon.record import Record, boot_id, known_names, unsaved
 from kvcd.host import files, pylibs, sysmodule
@@ -28,12 +28,20 @@ def _settings(root: HostRoot) -> Settings:
         return Settings()
 
 
-def _expect_links(root: HostRoot, name: str) -> bool | None:
-    """Whether the instance's config asks for links (None: it cannot be read)."""
+def _config(root: HostRoot, name: str) -> InstanceConfig | None:
+    """The instance's config (None: it cannot be read)."""
     try:
-        return bool(load_instance(root, name).expect_links)
+        return load_instance(root, name)
     except ConfigError:
         return None
+
+
+# What stopping does under each `unload_policy` (kvcd.core.drain.STOP), as status says it.
+UNLOAD_POLICY_TEXT = {
+    state.IF_IDLE: "unloads; refused while a module is in use",
+    state.NEVER: "modules stay loaded",
+    state.UNLOAD_DRAIN: "unloads; asks for a node drain while a module is in use",
+}
 
 
 # Capability -> its label in `kvcd status`, in the order shown.
@@ -44,6 +52,7 @@ CAPABILITY_LABELS = {
     "links": "links",
     "node_backend": "node backend",
     "rpm_ostree": "rpm-ostree",
+    "unload": "on stop",
 }
 
 
@@ -80,7 +89,8 @@ def capabilities(
         )
     psutil = pylibs.import_error(pylibs.PSUTIL, importer)
     out["holders"] = _cap(True) if psutil is None else _cap(False, f"psutil: {psutil}")
-    expects = _expect_links(root, name)
+    cfg = _config(root, name)
+    expects = None if cfg is None else bool(cfg.expect_links)
     links = files.read_json(root.links_note(name)) if running else None
     if expects is False:
         out["links"] = _cap(False, "instance has no expect_links")
@@ -99,6 +109,9 @@ def capabilities(
     out["node_backend"] = (
         _cap(False, refused[0][1]) if refused else _cap(True, settings.node_backend)
     )
+    if cfg is not None:
+        policy = cfg.unload_policy
+        out["unload"] = _cap(True, f"unload_policy = {policy} ({UNLOAD_POLICY_TEXT[policy]})")
     if is_ostree_host(root):
         dbus = pylibs.setting_problem("rpm-ostree D-Bus", pylibs.RPMOSTREE_DBUS, importer)
         out["rpm_ostree"] = _cap(True, "D-Bus" if dbus is None else f"CLI ({dbus})")

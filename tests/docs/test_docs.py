@@ -272,7 +272,11 @@ EXPECT: dict[str, dict[str, Any]] = {
     },
     "README.md:/etc/kvcd/instances/foo.toml": {
         "version": "1.0",
-        "unload_on_stop": True,
+        "unload_policy": "if-idle",
+    },
+    "README.md:/etc/kvcd/instances/nic.toml": {
+        "version": "2.4",
+        "unload_policy": "never",
     },
 }
 

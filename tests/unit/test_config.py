@@ -35,7 +35,7 @@ FULL = doc(
     'modules = ["kvcd_base", "kvcd-user"]',
     'image = "registry.example.com/drv/foo:{version}-{kernel}"',
     'modules_path = "/opt/mods/{kernel}/"',
-    "unload_on_stop = false",
+    'unload_policy = "never"',
     "keep_images = 5",
     'wrapper_args = ["--privileged", "-v", "/dev:/dev"]',
     "[build]",
@@ -70,7 +70,7 @@ FULL_EXPECTED = InstanceConfig(
     ),
     image="registry.example.com/drv/foo:{version}-{kernel}",
     modules_path="/opt/mods/{kernel}/",
-    unload_on_stop=False,
+    unload_policy="never",
     keep_images=5,
     wrapper_args=("--privileged", "-v", "/dev:/dev"),
     kvc_lib=None,
@@ -92,6 +92,23 @@ def test_minimal_config_takes_defaults() -> None:
         modules=(ModuleSpec("m"),),
         build=BuildSource(context="/usr/share/foo", containerfile="Containerfile", args=()),
     )
+
+
+@pytest.mark.parametrize(
+    ("line", "policy"),
+    [
+        (None, "if-idle"),
+        ('unload_policy = "if-idle"', "if-idle"),
+        ('unload_policy = "never"', "never"),
+        ('unload_policy = "drain"', "drain"),
+        # The older spelling, as configs written for earlier releases have it.
+        ("unload_on_stop = true", "if-idle"),
+        ("unload_on_stop = false", "never"),
+    ],
+)
+def test_unload_policy_and_its_older_spelling(line: str | None, policy: str) -> None:
+    text = doc(*HEAD, *([line] if line else []))
+    assert parse_instance_toml("foo", SRC, text).unload_policy == policy
 
 
 def test_image_only_dotted_and_inline_tables() -> None:
@@ -194,6 +211,18 @@ BAD_TOML = [
         5,
         "'params.kvcd_user.greeting' is 4097 characters long; a parameter value may have at most "
         "4096",
+    ),
+    (
+        "unload-policy-unknown",
+        doc(*HEAD, 'unload_policy = "always"'),
+        4,
+        "'unload_policy' must be one of 'if-idle', 'never', 'drain', got \"always\"",
+    ),
+    (
+        "unload-policy-and-older-spelling",
+        doc(*HEAD, 'unload_policy = "never"', "unload_on_stop = false"),
+        5,
+        "'unload_on_stop' is the older spelling of 'unload_policy': set only 'unload_policy'",
     ),
     (
         "unload-on-stop-string",

@@ -363,3 +363,139 @@ def test_switching_to_drain_none_withdraws_the_claim(host: HostRoot, service: An
     assert rec is not None and rec.state == "Degraded" and rec.reason.startswith("ModuleInUse")
     a = ann(host)
     assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+
+
+# --- stopping: unload_policy (issue #17) -------------------------------------------------------
+
+# policy, how the last step ended, a drain requested during this stop -> the next step
+STOP_ROWS = [
+    (state.NEVER, hs.STOPPING, False, hs.KEEP_LOADED),
+    (state.IF_IDLE, hs.STOPPING, False, hs.UNLOAD),
+    (state.IF_IDLE, hs.IN_USE, False, hs.REFUSE),
+    (state.UNLOAD_DRAIN, hs.STOPPING, False, hs.UNLOAD),
+    (state.UNLOAD_DRAIN, hs.IN_USE, False, hs.REQUEST),
+    (state.UNLOAD_DRAIN, hs.DRAINED, True, hs.UNLOAD),
+    (state.UNLOAD_DRAIN, hs.IN_USE, True, hs.REFUSE),  # a drain is asked for once per stop
+    (state.UNLOAD_DRAIN, hs.NOT_DRAINED, True, hs.REFUSE),
+]
+
+
+@pytest.mark.parametrize(("policy", "last", "requested", "step"), STOP_ROWS)
+def test_stop_step(policy: str, last: str, requested: bool, step: str) -> None:
+    assert hs.stop_step(policy, last, requested) == step
+
+
+def test_stop_table_is_the_rows_and_every_policy_starts() -> None:
+    assert {(p, last, r) for p, last, r, _ in STOP_ROWS} == set(hs.STOP)
+    assert {p for p, last, _r, _s in STOP_ROWS if last == hs.STOPPING} == set(state.UNLOAD_POLICIES)
+
+
+POLICY_CONFIG = (
+    'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\nunload_policy = "{policy}"\n'
+    '[build]\ncontext = "/src"\n'
+)
+
+
+def stopping_service(host: HostRoot, service: Any, policy: str) -> Service:
+    fakehost.write_config(host, "e2e", POLICY_CONFIG.format(policy=policy))
+    svc: Service = service()
+    rec = svc.reconcile([Event("start", kind=RETRY)])
+    assert rec is not None and rec.state == "Done"
+    return svc
+
+
+def drain_of(svc: Service) -> Drain:
+    (drain,) = [e for e in svc.exts if isinstance(e, Drain)]
+    return drain
+
+
+def loaded(root: HostRoot) -> list[str]:
+    return [m for m in MODS if (root.sys_module / m).is_dir()]
+
+
+@pytest.mark.parametrize(
+    ("policy", "held", "code", "left"),
+    [
+        (state.NEVER, False, 0, MODS),
+        (state.NEVER, True, 0, MODS),
+        (state.IF_IDLE, False, 0, []),
+        (state.IF_IDLE, True, 1, MODS),  # refused up front: nothing half-unloaded
+    ],
+)
+def test_stop_without_a_drain(
+    host: HostRoot,
+    service: Any,
+    caplog: pytest.LogCaptureFixture,
+    policy: str,
+    held: bool,
+    code: int,
+    left: list[str],
+) -> None:
+    svc = stopping_service(host, service, policy)
+    if held:
+        hold(host, "kvcd_user", "foo")
+    assert svc.stop() == code
+    assert loaded(host) == left
+    assert "kvcd.io/drain" not in ann(host) or ann(host)["kvcd.io/drain"] == "Idle"
+    if code:
+        assert "unload_policy = if-idle" in caplog.text and "holders: kvcd_user" in caplog.text
+        rec = Record.read(host, "e2e")
+        assert rec is not None and rec.reason.startswith("ModuleInUse")
+
+
+def test_stop_with_drain_waits_for_drain_complete_then_unloads(
+    host: HostRoot, service: Any
+) -> None:
+    svc = stopping_service(host, service, state.UNLOAD_DRAIN)
+    hold(host, "kvcd_user", "foo")
+    seen: list[dict[str, str]] = []
+
+    def sleep(_seconds: float) -> None:  # the drain controller, between kvcd's looks
+        seen.append(ann(host))
+        if len(seen) == 2:
+            release(host, "kvcd_user", "foo")
+            controller(host, "DrainComplete")
+
+    drain_of(svc).sleep = sleep
+    assert svc.stop() == 0
+    assert loaded(host) == []
+    assert seen[0]["kvcd.io/drain"] == "Drain_Required"
+    assert seen[0]["kvcd.io/e2e.drain"].startswith(f"Drain_Required boot={BOOT}")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+    assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in svc.notify.sent)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("answer", ["timeout", "still-held"])
+def test_stop_with_drain_refused_keeps_modules_and_withdraws(
+    host: HostRoot, service: Any, caplog: pytest.LogCaptureFixture, answer: str
+) -> None:
+    svc = stopping_service(host, service, state.UNLOAD_DRAIN)
+    hold(host, "kvcd_user", "foo")
+
+    def sleep(_seconds: float) -> None:
+        if answer == "timeout":
+            service.clock.now += 301  # no answer: past drain_timeout after two looks
+        else:
+            controller(host, "DrainComplete")  # drained, but something no drain removes holds it
+
+    drain_of(svc).sleep = sleep
+    assert svc.stop() == 1
+    assert loaded(host) == MODS
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+    expected = (
+        "no DrainComplete within 600s" if answer == "timeout" else "still in use after the drain"
+    )
+    assert expected in caplog.text
+
+
+def test_stop_with_drain_and_no_node_refuses(
+    host: HostRoot, service: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc = stopping_service(host, service, state.UNLOAD_DRAIN)
+    hold(host, "kvcd_user", "foo")
+    drain_of(svc).link.writer = None  # the node backend never came up
+    assert svc.stop() == 1
+    assert loaded(host) == MODS
+    assert "cannot request a node drain" in caplog.text

@@ -58,7 +58,7 @@ def test_kvc_simple_parses_to_exact_instance() -> None:
         ),
         image=None,
         modules_path="/lib/modules/{kernel}/",
-        unload_on_stop=True,
+        unload_policy="if-idle",
         keep_images=3,
         wrapper_args=(),
         kvc_lib=None,

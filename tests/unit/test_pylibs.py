@@ -321,6 +321,7 @@ def test_status_lists_the_capabilities_of_a_running_instance(
         "  holder checks: on\n",
         "  links: netlink link events\n",
         "  node backend: kubernetes\n",
+        "  on stop: unload_policy = if-idle (unloads; refused while a module is in use)\n",
     ):
         assert line in out
     assert "rpm-ostree" not in out  # not an rpm-ostree host
@@ -343,7 +344,9 @@ def test_status_says_why_capabilities_are_off(
     fakehost.write(root("/run/ostree-booted"), "")
     monkeypatch.setitem(sys.modules, "kubernetes", None)
     monkeypatch.setitem(sys.modules, "pydbus", None)
+    fakehost.write_config(root, "e2e", GOOD.replace("[build]", 'unload_policy = "never"\n[build]'))
     out = status.render(status.collect(root, "e2e"))
+    assert "  on stop: unload_policy = never (modules stay loaded)\n" in out
     assert "  drift: off (kvcd@e2e is not running)\n" in out
     assert "  udev module events: off (kvcd@e2e is not running)\n" in out
     assert "  links: off (instance has no expect_links)\n" in out

@@ -12,6 +12,11 @@
 (n3) drain = "cluster": the same blocked unload becomes a node drain request (`kvcd.io/drain =
      Drain_Required`); `kvcd annotate kvcd.io/drain-current=DrainComplete` plays the drain
      controller after the holder is gone; the change is applied and the request goes back to Idle.
+(n4) unload_policy = "never" (issue #17): `systemctl stop` leaves the module loaded, the unit
+     inactive (not failed), and `kvcd status` says the policy; a restart finds it in place.
+(n5) unload_policy = "drain": `systemctl stop` with the module held claims a node drain and
+     waits (the unit is deactivating); the holder goes, `kvcd annotate` answers DrainComplete,
+     the module is unloaded, the claim withdrawn, and the unit stops cleanly.
 
 Uses its own instance (e2e-node) with the e2e driver's modules, so e2e-kmod is taken off the node
 (stopped, its file moved aside) while it runs.
@@ -48,10 +53,13 @@ NODE = Path("/var/lib/kvcd/node.json")
 LABEL = f"kvcd.io/version.{NAME}"
 
 
-def write_instance(version: str, modules: tuple[str, ...] = MODS, drain: str = "none") -> None:
+def write_instance(
+    version: str, modules: tuple[str, ...] = MODS, drain: str = "none", unload: str = "if-idle"
+) -> None:
     mods = ", ".join(json.dumps(m) for m in modules)
     CONF.write_text(
         f'version = "{version}"\nmodules = [{mods}]\nordered_upgrade = true\ndrain = "{drain}"\n'
+        f'unload_policy = "{unload}"\n'
         f'[build]\ncontext = "{DRIVER_DIR}"\ncontainerfile = "{containerfile(version)}"\n'
         # Parameters only for a module the instance has: kvcd refuses the others (ConfigInvalid).
         + ('[params.kvcd_user]\ngreeting = "node"\n' if "kvcd_user" in modules else "")
@@ -180,4 +188,50 @@ def test_n3_cluster_drain_handshake() -> None:
     assert f"kvcd.io/{NAME}.drain" not in annotations()
     st = settle("Done")
     assert st["goal"] == "unloaded", st
+    sh(["kvcd", "annotate", "kvcd.io/drain-current-"])
+
+
+def unit_state() -> str:
+    return sh(["systemctl", "show", "-P", "ActiveState", UNIT], check=False).stdout.strip()
+
+
+def test_n4_unload_policy_never_keeps_the_module_loaded() -> None:
+    write_instance("2.0", modules=("kvcd_base",), unload="never")
+    sh(["kvcd", "label", f"{LABEL}=2.0"])
+    sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
+    until(lambda: "kvcd_base" in loaded(), BUILD_TIMEOUT, "kvcd_base loaded")
+    text = sh(["kvcd", "status", NAME]).stdout
+    assert "on stop: unload_policy = never (modules stay loaded)" in text, text
+
+    sh(["systemctl", "stop", UNIT], timeout=600)
+    assert unit_state() == "inactive", unit_state()  # stopped cleanly, not failed
+    assert "kvcd_base" in loaded()  # kept
+    j = sh(["journalctl", "-u", UNIT, "-n", "30", "--no-pager"]).stdout
+    assert "modules stay loaded (unload_policy = never)" in j, j
+
+    sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)  # finds it in place
+    st = settle("Done")
+    assert st["goal"] == "loaded" and "kvcd_base" in loaded(), st
+
+
+def test_n5_unload_policy_drain_waits_for_drain_complete_on_stop() -> None:
+    write_instance("2.0", modules=("kvcd_base",), unload="drain")
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    settle("Done")
+    sh(["modprobe", "-d", "/var/lib/kvcd/modules", "kvcd_user"])  # the workload holding it
+    assert "kvcd_user" in loaded()["kvcd_base"]
+
+    sh(["systemctl", "stop", "--no-block", UNIT])
+    wait_for(lambda: annotations().get("kvcd.io/drain") == "Drain_Required", 120, "drain requested")
+    assert (annotations().get(f"kvcd.io/{NAME}.drain") or "").startswith("Drain_Required boot=")
+    assert unit_state() == "deactivating", unit_state()
+    assert "kvcd_base" in loaded()  # nothing unloaded before the drain completed
+
+    # The drain controller: the workload goes, then it answers.
+    sh(["rmmod", "kvcd_user"])
+    sh(["kvcd", "annotate", "kvcd.io/drain-current=DrainComplete"])
+    wait_for(lambda: unit_state() == "inactive", 120, f"{UNIT} stopped")
+    assert "kvcd_base" not in loaded()
+    a = annotations()
+    assert a.get("kvcd.io/drain") == "Idle" and f"kvcd.io/{NAME}.drain" not in a, a
     sh(["kvcd", "annotate", "kvcd.io/drain-current-"])
