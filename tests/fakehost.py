@@ -50,7 +50,16 @@ fi
 mkdir -p "$sys/$name/holders"
 echo live > "$sys/$name/initstate"; echo 0 > "$sys/$name/refcnt"
 """
-RMMOD = 'rm -r "$FAKE_ROOT/sys/module/$1"\n'
+# Unloads <name>, and drops it as a holder of the modules it used, as the kernel does.
+RMMOD = r"""
+sys="$FAKE_ROOT/sys/module"
+rm -r "$sys/$1"
+for h in "$sys"/*/holders/"$1"; do
+  [ -d "$h" ] || continue
+  rmdir "$h"; m="${h%/holders/*}"
+  echo $(( $(cat "$m/refcnt") - 1 )) > "$m/refcnt"
+done
+"""
 # Writes a modules.dep naming every module under extra/, as the real depmod would.
 DEPMOD = r"""
 base=/; args=("$@")

@@ -83,6 +83,9 @@ class InstanceConfig:
     # What stopping does with the loaded modules: "if-idle" | "never" | "drain" (core/drain.py).
     unload_policy: str = "if-idle"
     keep_images: int = 3
+    # In-tree modules (kernel names) unloaded before the instance loads, in this order, kept from
+    # loading while it is active and loaded back when it unloads (KMM's inTreeModulesToRemove).
+    in_tree_modules_to_remove: tuple[str, ...] = ()
     wrapper_args: tuple[str, ...] = ()
     # KVC compatibility: the root-owned hook library, when the instance has one.
     kvc_lib: Path | None = None

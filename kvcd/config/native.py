@@ -59,6 +59,16 @@ class TomlInstance:
             )
         return IF_IDLE if value else NEVER
 
+    def in_tree(self, raw: object) -> tuple[str, ...]:
+        """`in_tree_modules_to_remove`: module names, in the order they are unloaded."""
+        key = "in_tree_modules_to_remove"
+        if not isinstance(raw, list):
+            raise self.fail(f"'{key}' must be an array of module names, got {rules.show(raw)}", key)
+        if not raw:
+            return ()
+        names: tuple[str, ...] = self.check(rules.valid_module_names, raw, key)
+        return tuple(n.replace("-", "_") for n in names)
+
     def build(self) -> InstanceConfig:
         data = self.data
         rules.unknown_keys(data, rules.TOP_KEYS, "top level", self.fail)
@@ -82,6 +92,8 @@ class TomlInstance:
             )
         if "unload_policy" in data or "unload_on_stop" in data:
             values["unload_policy"] = self.unload_policy(data)
+        if "in_tree_modules_to_remove" in data:
+            values["in_tree_modules_to_remove"] = self.in_tree(data["in_tree_modules_to_remove"])
         if "keep_images" in data:
             value = data["keep_images"]
             in_range = isinstance(value, int) and 1 <= value <= rules.MAX_KEEP_IMAGES

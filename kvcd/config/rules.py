@@ -57,6 +57,7 @@ TOP_KEYS = (
     "modules_path",
     "unload_policy",
     "unload_on_stop",
+    "in_tree_modules_to_remove",
     "keep_images",
     "wrapper_args",
     "build",

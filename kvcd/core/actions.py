@@ -73,6 +73,29 @@ class Unload:
 
 
 @dataclass(frozen=True)
+class RemoveInTree:
+    """Keep `modules` from loading (a modprobe.d file) and unload those in `loaded`, in order."""
+
+    modules: tuple[str, ...]
+    loaded: tuple[str, ...]
+
+    def describe(self) -> str:
+        out = f"keep in-tree {', '.join(self.modules)} from loading"
+        return out + (f"; unload {', '.join(self.loaded)}" if self.loaded else "")
+
+
+@dataclass(frozen=True)
+class RestoreInTree:
+    """Let the in-tree modules load again, and load `load` (those kvcd removed) in that order."""
+
+    load: tuple[str, ...]
+
+    def describe(self) -> str:
+        out = "let the in-tree modules load again"
+        return out + (f"; load {', '.join(self.load)}" if self.load else "")
+
+
+@dataclass(frozen=True)
 class Hook:
     """Call a function of the instance's KVC <name>-lib.sh (root-owned code) in bash."""
 
@@ -102,4 +125,15 @@ class CollectImages:
         return f"remove all but the newest {self.keep} images of this instance"
 
 
-Action = Union[AcquireImage, Extract, Activate, Load, Unload, Hook, Verify, CollectImages]
+Action = Union[
+    AcquireImage,
+    Extract,
+    Activate,
+    Load,
+    Unload,
+    RemoveInTree,
+    RestoreInTree,
+    Hook,
+    Verify,
+    CollectImages,
+]

@@ -16,6 +16,8 @@ from kvcd.core.actions import (
     Extract,
     Hook,
     Load,
+    RemoveInTree,
+    RestoreInTree,
     Unload,
     Verify,
 )
@@ -54,9 +56,10 @@ def _matches(d: Desired, o: Observed, name: str, st: ModState) -> bool:
 def in_use(d: Desired, o: Observed) -> str | None:
     """Why the instance's loaded modules cannot all be unloaded now, or None when they can.
 
-    References held by the instance's own modules do not count: they go first, in reverse order.
+    References held by the instance's own modules do not count: they go first, in reverse order;
+    nor do those held by in-tree modules to remove, which go before them.
     """
-    ours = set(_names(d))
+    ours = {*_names(d), *d.remove_in_tree}
     problems = []
     for name in reversed(_names(d)):
         st = o.loaded.get(name)
@@ -69,6 +72,54 @@ def in_use(d: Desired, o: Observed) -> str | None:
         elif extra_refs > 0:
             problems.append(f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)")
     return "; ".join(problems) or None
+
+
+def _in_tree_loaded(d: Desired, o: Observed) -> dict[str, ModState]:
+    """Of the in-tree modules to remove, those loaded: other modules, and a build of a module
+    the instance ships under the same name that is not the instance's (the in-tree one)."""
+    ours = set(_names(d))
+    out: dict[str, ModState] = {}
+    for name in d.remove_in_tree:
+        st = o.in_tree.get(name)
+        if st is None and name in ours and name in o.loaded:
+            st = None if _matches(d, o, name, o.loaded[name]) else o.loaded[name]
+        if st is not None:
+            out[name] = st
+    return out
+
+
+def in_tree_in_use(d: Desired, loaded: dict[str, ModState]) -> str | None:
+    """Why the loaded in-tree modules to remove cannot all be unloaded now, or None. A holder
+    that is itself removed earlier in the list does not count: it is gone by then."""
+    problems = []
+    for i, name in enumerate(d.remove_in_tree):
+        st = loaded.get(name)
+        if st is None:
+            continue
+        before = set(d.remove_in_tree[:i])
+        foreign = [h for h in st.holders if h not in before]
+        extra_refs = st.refcnt - sum(1 for h in st.holders if h in before)
+        if foreign:
+            problems.append(f"{name} is held by {', '.join(sorted(foreign))} (refcnt {st.refcnt})")
+        elif extra_refs > 0:
+            problems.append(f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)")
+    return "; ".join(problems) or None
+
+
+def _remove_in_tree(d: Desired, o: Observed, loaded: dict[str, ModState]) -> list[Action]:
+    """The RemoveInTree step, when an in-tree module to remove is loaded or the modprobe.d file
+    does not say what the config says."""
+    if d.hooks or not d.remove_in_tree:
+        return []
+    if not loaded and o.kept_out == d.remove_in_tree:
+        return []
+    return [RemoveInTree(d.remove_in_tree, tuple(loaded))]
+
+
+def _restore_in_tree(o: Observed) -> list[Action]:
+    if not (o.kept_out or o.removed):
+        return []
+    return [RestoreInTree(tuple(reversed(o.removed)))]
 
 
 def plan_build(d: Desired, o: Observed) -> Plan:
@@ -97,19 +148,27 @@ def plan_load(d: Desired, o: Observed) -> Plan:
             return Plan((Verify(names, loaded=True),))
         return Plan((Hook("build_kmods"), Hook("load_kmods"), Verify(names, loaded=True)))
 
-    stale = [n for n in names if n in o.loaded and n not in loaded_ok]
+    in_tree = _in_tree_loaded(d, o) if d.remove_in_tree else {}
+    remove = _remove_in_tree(d, o, in_tree)
+    held = in_tree_in_use(d, in_tree) if remove else None
+    if held:
+        return Plan(blocked=f"in-tree modules to remove are in use: {held}")
+    # An in-tree build of a module the instance ships goes with the in-tree modules to remove.
+    stale = [n for n in names if n in o.loaded and n not in loaded_ok and n not in in_tree]
     ready = o.active == d.version and o.depmod_current
     if not stale and ready and all_ok:
-        return Plan((Verify(names, loaded=True),))
+        return Plan((*remove, Verify(names, loaded=True)))
 
-    actions: list[Action] = list(plan_build(d, o).actions)
+    # Built first: a failed build leaves the in-tree driver in place. Then the in-tree modules
+    # go, before a swap: one of them may hold an in-tree build of a module the instance ships.
+    actions: list[Action] = [*plan_build(d, o).actions, *remove]
     rollback_to = None
     if stale:
         blocked = in_use(d, o)
         if blocked:
             return Plan(blocked=f"cannot replace the loaded version: {blocked}")
         # Out with everything of ours that is loaded, in reverse order, before the swap.
-        actions += [Unload(n) for n in reversed(names) if n in o.loaded]
+        actions += [Unload(n) for n in reversed(names) if n in o.loaded and n not in in_tree]
         rollback_to = o.active if o.active != d.version else None
         loaded_ok = set()
     if not ready:
@@ -134,8 +193,9 @@ def plan_prepare(d: Desired, o: Observed) -> Plan:
 def plan_unload(d: Desired, o: Observed) -> Plan:
     """Unload the instance's modules in reverse order; refuse up front if any is held."""
     names = _names(d)
+    restore = _restore_in_tree(o)
     if not any(n in o.loaded for n in names):
-        return Plan((Verify(names, loaded=False),))
+        return Plan((Verify(names, loaded=False), *restore))
     blocked = in_use(d, o)
     if blocked:
         return Plan(blocked=blocked)
@@ -143,4 +203,4 @@ def plan_unload(d: Desired, o: Observed) -> Plan:
         return Plan((Hook("unload_kmods"), Verify(names, loaded=False)))
     steps: list[Action] = [Unload(n) for n in reversed(names) if n in o.loaded]
     steps.append(Verify(names, loaded=False))
-    return Plan(tuple(steps))
+    return Plan((*steps, *restore))

@@ -38,6 +38,9 @@ class Desired:
     # For a kernel that is not running yet: its module directory, when the host does not keep
     # it where a booted kernel's are (Activate.modules_dir).
     modules_dir: str = ""
+    # In-tree modules to unload before loading (KMM's inTreeModulesToRemove), in that order,
+    # kept from loading while the instance is active and loaded again when it unloads.
+    remove_in_tree: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,9 @@ class Observed:
     # Their MODULE_VERSION, when they have one (srcversion hashes the source files only: a
     # build of the same source with another version define has the same srcversion).
     stored_modversion: Mapping[str, str] = field(default_factory=dict)
+    # Of Desired.remove_in_tree, those the kernel has loaded (instance modules left out).
+    in_tree: Mapping[str, ModState] = field(default_factory=dict)
+    # The names kvcd keeps from loading now (its modprobe.d file), and those it unloaded and
+    # has not loaded again (its runtime record), in the order they were removed.
+    kept_out: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()

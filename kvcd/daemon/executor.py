@@ -158,6 +158,8 @@ class Executor:
         elif isinstance(a, act.Unload):
             self._unload(a.module)
             attempt.unloaded.append(a.module)
+        elif isinstance(a, (act.RemoveInTree, act.RestoreInTree)):
+            self._in_tree(a)
         elif isinstance(a, act.Hook):
             self._hook(a.function)
         elif isinstance(a, act.Verify):
@@ -404,6 +406,13 @@ class Executor:
                 f"{name}: {kdir} resolves it to {path}, not to {self.cfg.name}'s own modules: "
                 "another instance (or the system) provides a module of that name",
             )
+
+    def _in_tree(self, a: act.RemoveInTree | act.RestoreInTree) -> None:
+        from kvcd.host import intree
+
+        ours = {m.kernel_name for m in self.cfg.modules}
+        for module in intree.apply(self.root, self.d.kernel, self.cfg.name, ours, a):
+            log.info("in-tree module %s unloaded", module, extra=self.fields)
 
     def _unload(self, name: str) -> None:
         try:

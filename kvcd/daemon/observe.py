@@ -10,7 +10,7 @@ from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
 from kvcd.daemon import store
-from kvcd.host import files, kmod, modtree, rpmostree, sysmodule
+from kvcd.host import files, intree, kmod, modtree, rpmostree, sysmodule
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ def desired_for(cfg: InstanceConfig, kernel: str) -> Desired:
         build_context=cfg.build.context if cfg.build else None,
         hooks=cfg.kvc_lib is not None,
         keep_images=cfg.keep_images,
+        remove_in_tree=cfg.in_tree_modules_to_remove,
     )
 
 
@@ -74,6 +75,14 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         if lm is not None:
             loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
     want = stored.get(d.version)
+    # In-tree modules to remove: a name the instance ships too is in `loaded` already.
+    in_tree: dict[str, ModState] = {}
+    for name in d.remove_in_tree:
+        lm = None if name in loaded else sysmodule.read_module(root, name)
+        if lm is not None:
+            in_tree[name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
+    # Read even without a list: one the config no longer has is still loaded back on unload.
+    kept_out, removed = intree.observed(root, d.instance)
     return Observed(
         kernel=d.kernel,
         stored=frozenset(stored),
@@ -82,4 +91,7 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         loaded=loaded,
         stored_srcversion=want.srcversions() if want else {},
         stored_modversion=want.modversions() if want else {},
+        in_tree=in_tree,
+        kept_out=kept_out,
+        removed=removed,
     )

@@ -15,7 +15,7 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
 from kvcd.daemon.record import Record, boot_id, known_names, unsaved
-from kvcd.host import files, pylibs, sysmodule
+from kvcd.host import files, intree, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
 from kvcd.host.paths import HostRoot
 from kvcd.node.keys import stem
@@ -210,6 +210,11 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             if lm is not None and lm.refcnt > 0:  # who has its device nodes open (psutil)
                 live[mod]["processes"] = _processes(root, mod)
         entry["live"] = live
+        kept_out, removed = (
+            intree.observed(root, name) if may_exist(root.in_tree_note(name)) else ((), ())
+        )
+        if kept_out or removed:
+            entry["in_tree"] = {"kept_out": list(kept_out), "removed": list(removed)}
         # The node annotation keys of this instance (names over 51 characters are hashed).
         entry["node_keys"] = f"{prefix}/{stem(name)}.*"
         stale = rec is not None and rec.boot_id is not None and rec.boot_id != current_boot
@@ -346,6 +351,11 @@ def render(entries: list[dict[str, Any]]) -> str:
                 lines.append(f"  {mod}: loaded (refcnt {v['refcnt']}{held})")
             else:
                 lines.append(f"  {mod}: not loaded")
+        in_tree = e.get("in_tree") or {}
+        if in_tree.get("kept_out") or in_tree.get("removed"):
+            kept = ", ".join(in_tree.get("kept_out") or []) or "none"
+            gone = ", ".join(in_tree.get("removed") or []) or "none"
+            lines.append(f"  in-tree modules kept out: {kept}; unloaded by kvcd: {gone}")
         for key, cap in (e.get("capabilities") or {}).items():
             lines.append(f"  {render_capability(key, cap)}")
         for link in (e.get("links") or {}).get("provided") or []:

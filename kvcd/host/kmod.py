@@ -364,6 +364,17 @@ def load(root: HostRoot, kernel: str, name: str, params: Sequence[tuple[str, str
             reader.close()
 
 
+def load_system(root: HostRoot, kernel: str, name: str) -> None:
+    """Load `name` from the system's own module tree (`modprobe -d / -S …`): an in-tree module
+    kvcd removed for an instance, loaded back. Failure as :func:`load`, without the kernel log."""
+    check_name("module name", name)
+    check_name("kernel version", kernel)
+    try:
+        run(["modprobe", "-d", str(root("/")), "-S", kernel, name])
+    except CommandError as exc:
+        raise ModuleLoadError(name, last_line(exc.stderr), kernel) from exc
+
+
 def _chain_names(root: HostRoot, kernel: str, name: str) -> list[str]:
     try:
         deps = show_depends(root, kernel, name)

@@ -142,6 +142,15 @@ class HostRoot:
         """The daemon's answer to the newest reload it handled: that number and the outcome."""
         return self.runtime / f"{instance}.reloaded"
 
+    def in_tree_note(self, instance: str) -> Path:
+        """The in-tree modules kvcd keeps out for the instance and those it unloaded
+        (kvcd/host/intree.py)."""
+        return self.runtime / f"{instance}.in-tree.json"
+
+    def keep_out_conf(self, instance: str) -> Path:
+        """The modprobe.d file that keeps the instance's in-tree modules to remove from loading."""
+        return self("/run/modprobe.d") / f"kvcd-{instance}.conf"
+
     def instance_files(self, instance: str) -> tuple[Path, ...]:
         """Every file kvcd keeps under the instance's name here (not its store, a directory,
         nor its drift expectations, which kvcd/daemon/driftstore.py names): what `kvcd purge`
@@ -159,6 +168,8 @@ class HostRoot:
             self.unsaved_record(instance),
             self.node_note(instance),
             self.metrics_counts(instance),
+            self.in_tree_note(instance),
+            self.keep_out_conf(instance),
         )
 
     # --- the running kernel ---

@@ -274,6 +274,9 @@ EXPECT: dict[str, dict[str, Any]] = {
         "version": "1.0",
         "unload_policy": "if-idle",
     },
+    "README.md:/etc/kvcd/instances/ice.toml": {
+        "in_tree_modules_to_remove": ("irdma", "ice"),
+    },
     "README.md:/etc/kvcd/instances/nic.toml": {
         "version": "2.4",
         "unload_policy": "never",

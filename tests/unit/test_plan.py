@@ -11,6 +11,8 @@ from kvcd.core.actions import (
     Extract,
     Hook,
     Load,
+    RemoveInTree,
+    RestoreInTree,
     Unload,
     Verify,
 )
@@ -403,3 +405,149 @@ def test_plan_prepare(why: str, observed: Observed, modules_dir: str, steps: lis
 def test_a_hook_library_is_not_prepared_ahead() -> None:
     plan = plan_prepare(Desired(**{**D.__dict__, "hooks": True}), obs())
     assert plan.actions == () and plan.blocked == "a KVC hook library builds at boot, not ahead"
+
+
+# --- in-tree modules to remove (issue #17, KMM's inTreeModulesToRemove) ------------------------
+# The instance replaces the in-tree "e1000e" and its helper "ptp_old" (held by e1000e).
+D_IT = Desired(**{**D.__dict__, "remove_in_tree": ("e1000e", "ptp_old")})
+IT = ("e1000e", "ptp_old")
+IT_LOADED = {"e1000e": ModState(0, ()), "ptp_old": ModState(1, ("e1000e",))}
+READY = {"stored": frozenset({"2.0"}), "active": "2.0", "depmod_current": True}
+OURS = {"loaded": LOADED_NEW, "stored_srcversion": NEW, **READY}
+
+IN_TREE_LOAD = [
+    (
+        "in-tree loaded, nothing of ours: build first, then remove in order, then load",
+        obs(in_tree=IT_LOADED),
+        [
+            ACQUIRE,
+            EXTRACT,
+            CollectImages(2),
+            RemoveInTree(IT, IT),
+            Activate("2.0", K),
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+    ),
+    (
+        "ready and loaded, kept out already: verify only",
+        obs(kept_out=IT, removed=IT, **OURS),
+        [Verify(BOTH, True)],
+    ),
+    (
+        "ready and loaded, but an in-tree module came back (loaded by hand): remove it again",
+        obs(in_tree={"ptp_old": ModState()}, kept_out=IT, removed=IT, **OURS),
+        [RemoveInTree(IT, ("ptp_old",)), Verify(BOTH, True)],
+    ),
+    (
+        "after a reboot: the modprobe.d file is gone, nothing in-tree loaded: write it again",
+        obs(**OURS),
+        [RemoveInTree(IT, ()), Verify(BOTH, True)],
+    ),
+    (
+        "the config's list changed: the file is rewritten",
+        obs(kept_out=("e1000e",), removed=("e1000e",), **OURS),
+        [RemoveInTree(IT, ()), Verify(BOTH, True)],
+    ),
+]
+IN_TREE_SAME_NAME = [
+    (
+        "an in-tree build of kvcd_base, held by an in-tree module on the list: that one goes, "
+        "then the in-tree kvcd_base (noted, so it is loaded back), then ours load",
+        obs(
+            loaded={"kvcd_base": ModState(1, ("irdma",), "in-tree")}, in_tree={"irdma": ModState()}
+        ),
+        [
+            ACQUIRE,
+            EXTRACT,
+            CollectImages(2),
+            RemoveInTree(("irdma", "kvcd_base"), ("irdma", "kvcd_base")),
+            Activate("2.0", K),
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "observed", "steps"), IN_TREE_LOAD, ids=[r[0] for r in IN_TREE_LOAD]
+)
+def test_plan_load_removes_in_tree_modules(
+    why: str, observed: Observed, steps: list[object]
+) -> None:
+    plan = plan_load(D_IT, observed)
+    assert plan.blocked is None
+    assert list(plan.actions) == steps
+
+
+IN_TREE_BLOCKED = [
+    (
+        "held by a module not on the list",
+        {"e1000e": ModState(1, ("bonding",)), "ptp_old": ModState(1, ("e1000e",))},
+        "in-tree modules to remove are in use: e1000e is held by bonding (refcnt 1)",
+    ),
+    (
+        "held by a process (refcnt, no holder module)",
+        {"e1000e": ModState(2, ())},
+        "in-tree modules to remove are in use: e1000e is in use (refcnt 2, 2 not by modules)",
+    ),
+    (
+        "the list in the wrong order: ptp_old first, while e1000e still holds it",
+        {"ptp_old": ModState(1, ("e1000e",)), "e1000e": ModState(0, ())},
+        None,  # e1000e is earlier in D_IT; see the reversed Desired below
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "in_tree", "blocked"), IN_TREE_BLOCKED, ids=[r[0] for r in IN_TREE_BLOCKED]
+)
+def test_plan_load_refuses_in_tree_modules_in_use(
+    why: str, in_tree: dict[str, ModState], blocked: str | None
+) -> None:
+    if blocked is None:  # the same host, the list reversed: ptp_old cannot go first
+        d = Desired(**{**D_IT.__dict__, "remove_in_tree": ("ptp_old", "e1000e")})
+        blocked = "in-tree modules to remove are in use: ptp_old is held by e1000e (refcnt 1)"
+    else:
+        d = D_IT
+    plan = plan_load(d, obs(in_tree=in_tree))
+    assert plan.blocked == blocked and plan.actions == ()
+
+
+IN_TREE_UNLOAD = [
+    (
+        "ours loaded, in-tree removed: unload ours, then load the in-tree ones back, reversed",
+        obs(loaded=LOADED_NEW, kept_out=IT, removed=IT),
+        [
+            Unload("kvcd_user"),
+            Unload("kvcd_base"),
+            Verify(BOTH, False),
+            RestoreInTree(("ptp_old", "e1000e")),
+        ],
+    ),
+    (
+        "nothing of ours loaded (a failed load): the in-tree ones still come back",
+        obs(kept_out=IT, removed=("e1000e",)),
+        [Verify(BOTH, False), RestoreInTree(("e1000e",))],
+    ),
+    (
+        "kept out but none was loaded: only the modprobe.d file goes",
+        obs(kept_out=IT),
+        [Verify(BOTH, False), RestoreInTree(())],
+    ),
+    ("never removed anything: nothing to restore", obs(), [Verify(BOTH, False)]),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "observed", "steps"), IN_TREE_UNLOAD, ids=[r[0] for r in IN_TREE_UNLOAD]
+)
+def test_plan_unload_restores_in_tree_modules(
+    why: str, observed: Observed, steps: list[object]
+) -> None:
+    plan = plan_unload(D_IT, observed)
+    assert plan.blocked is None
+    assert list(plan.actions) == steps

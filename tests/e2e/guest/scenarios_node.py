@@ -17,6 +17,11 @@
 (n5) unload_policy = "drain": `systemctl stop` with the module held claims a node drain and
      waits (the unit is deactivating); the holder goes, `kvcd annotate` answers DrainComplete,
      the module is unloaded, the claim withdrawn, and the unit stops cleanly.
+(n6) in_tree_modules_to_remove (issue #17) with the guest kernel's own modules: 8021q (holding
+     garp) and dummy, loaded by hand. A list that would take garp out from under 8021q is
+     refused (ModuleInUse, 8021q named) with nothing unloaded; the right order unloads them
+     before the instance loads, /run/modprobe.d/kvcd-e2e-node.conf keeps them from loading
+     (`modprobe dummy` fails), and `systemctl stop` loads them back.
 
 Uses its own instance (e2e-node) with the e2e driver's modules, so e2e-kmod is taken off the node
 (stopped, its file moved aside) while it runs.
@@ -54,12 +59,17 @@ LABEL = f"kvcd.io/version.{NAME}"
 
 
 def write_instance(
-    version: str, modules: tuple[str, ...] = MODS, drain: str = "none", unload: str = "if-idle"
+    version: str,
+    modules: tuple[str, ...] = MODS,
+    drain: str = "none",
+    unload: str = "if-idle",
+    remove: tuple[str, ...] = (),
 ) -> None:
     mods = ", ".join(json.dumps(m) for m in modules)
     CONF.write_text(
         f'version = "{version}"\nmodules = [{mods}]\nordered_upgrade = true\ndrain = "{drain}"\n'
         f'unload_policy = "{unload}"\n'
+        f"in_tree_modules_to_remove = {json.dumps(list(remove))}\n"
         f'[build]\ncontext = "{DRIVER_DIR}"\ncontainerfile = "{containerfile(version)}"\n'
         # Parameters only for a module the instance has: kvcd refuses the others (ConfigInvalid).
         + ('[params.kvcd_user]\ngreeting = "node"\n' if "kvcd_user" in modules else "")
@@ -235,3 +245,45 @@ def test_n5_unload_policy_drain_waits_for_drain_complete_on_stop() -> None:
     a = annotations()
     assert a.get("kvcd.io/drain") == "Idle" and f"kvcd.io/{NAME}.drain" not in a, a
     sh(["kvcd", "annotate", "kvcd.io/drain-current-"])
+
+
+IN_TREE = ("8021q", "garp", "dummy")
+
+
+def test_n6_in_tree_modules_to_remove() -> None:
+    sh(["modprobe", "8021q"])
+    sh(["modprobe", "dummy"])
+    assert "8021q" in proc_modules()["garp"]  # 8021q holds garp
+    keep_out = Path(f"/run/modprobe.d/kvcd-{NAME}.conf")
+
+    # garp alone: 8021q holds it, and 8021q is not on the list.
+    write_instance("2.0", modules=("kvcd_base",), remove=("garp",))
+    sh(["systemctl", "restart", UNIT], check=False, timeout=BUILD_TIMEOUT)
+    st = settle("Degraded")
+    assert st["reason"].startswith(
+        "ModuleInUse: in-tree modules to remove are in use: garp is held by 8021q (refcnt 1)"
+    ), st
+    assert {"8021q", "garp", "dummy"} <= set(proc_modules())  # nothing unloaded
+    assert not keep_out.exists()
+
+    write_instance("2.0", modules=("kvcd_base",), remove=IN_TREE)
+    sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)  # it failed: restart, not reload
+    st = settle("Done")
+    mods = proc_modules()
+    assert "kvcd_base" in mods and not set(IN_TREE) & set(mods), sorted(mods)
+    text = keep_out.read_text()
+    for name in IN_TREE:
+        assert f"blacklist {name}\ninstall {name} /bin/false\n" in text, text
+    assert sh(["modprobe", "dummy"], check=False).returncode != 0  # kept out
+    assert "dummy" not in proc_modules()
+    out = sh(["kvcd", "status", NAME]).stdout
+    assert "in-tree modules kept out: 8021q, garp, dummy; unloaded by kvcd: 8021q, garp, dummy" in (
+        out
+    ), out
+
+    sh(["systemctl", "stop", UNIT], timeout=600)
+    mods = proc_modules()
+    assert "kvcd_base" not in mods and set(IN_TREE) <= set(mods), sorted(mods)
+    assert not keep_out.exists()
+    sh(["modprobe", "-r", "dummy"], check=False)
+    sh(["rmmod", "8021q"], check=False)
