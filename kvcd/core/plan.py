@@ -60,18 +60,19 @@ def in_use(d: Desired, o: Observed) -> str | None:
     nor do those held by in-tree modules to remove, which go before them.
     """
     ours = {*_names(d), *d.remove_in_tree}
-    problems = []
-    for name in reversed(_names(d)):
-        st = o.loaded.get(name)
-        if st is None:
-            continue
-        foreign = [h for h in st.holders if h not in ours]
-        extra_refs = st.refcnt - sum(1 for h in st.holders if h in ours)
-        if foreign:
-            problems.append(f"{name} is held by {', '.join(sorted(foreign))} (refcnt {st.refcnt})")
-        elif extra_refs > 0:
-            problems.append(f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)")
-    return "; ".join(problems) or None
+    held = (_held(n, o.loaded[n], ours) for n in reversed(_names(d)) if n in o.loaded)
+    return "; ".join(h for h in held if h) or None
+
+
+def _held(name: str, st: ModState, going: set[str]) -> str | None:
+    """Why `name` cannot be unloaded once the modules in `going` are gone, or None."""
+    foreign = [h for h in st.holders if h not in going]
+    extra_refs = st.refcnt - sum(1 for h in st.holders if h in going)
+    if foreign:
+        return f"{name} is held by {', '.join(sorted(foreign))} (refcnt {st.refcnt})"
+    if extra_refs > 0:
+        return f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)"
+    return None
 
 
 def _in_tree_loaded(d: Desired, o: Observed) -> dict[str, ModState]:
@@ -91,19 +92,12 @@ def _in_tree_loaded(d: Desired, o: Observed) -> dict[str, ModState]:
 def in_tree_in_use(d: Desired, loaded: dict[str, ModState]) -> str | None:
     """Why the loaded in-tree modules to remove cannot all be unloaded now, or None. A holder
     that is itself removed earlier in the list does not count: it is gone by then."""
-    problems = []
-    for i, name in enumerate(d.remove_in_tree):
-        st = loaded.get(name)
-        if st is None:
-            continue
-        before = set(d.remove_in_tree[:i])
-        foreign = [h for h in st.holders if h not in before]
-        extra_refs = st.refcnt - sum(1 for h in st.holders if h in before)
-        if foreign:
-            problems.append(f"{name} is held by {', '.join(sorted(foreign))} (refcnt {st.refcnt})")
-        elif extra_refs > 0:
-            problems.append(f"{name} is in use (refcnt {st.refcnt}, {extra_refs} not by modules)")
-    return "; ".join(problems) or None
+    held = (
+        _held(name, loaded[name], set(d.remove_in_tree[:i]))
+        for i, name in enumerate(d.remove_in_tree)
+        if name in loaded
+    )
+    return "; ".join(h for h in held if h) or None
 
 
 def _remove_in_tree(d: Desired, o: Observed, loaded: dict[str, ModState]) -> list[Action]:
