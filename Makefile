@@ -74,7 +74,7 @@ rpm: setup
 # reboot stays last
 # in its guest, the crash scenarios (SIGKILL, then the hard resets) last in the other.
 # faulthandler_timeout=0: the guest boot is one long fixture, bounded by qemu's own timeout.
-E2E_SHARDS ?= core scenarios_systemd scenarios_systemtree scenarios_node scenarios_faults reboot_nextkernel | scenarios_devices scenarios_drift scenarios_perf scenarios_purge scenarios_restart reboot_reset
+E2E_SHARDS ?= core scenarios_systemd scenarios_systemtree scenarios_node scenarios_faults reboot_nextkernel | scenarios_devices scenarios_drift scenarios_perf scenarios_purge scenarios_restart reboot_reset reboot_signing
 e2e: setup e2e-harness
 	KVCD_E2E_MODE=e2e KVCD_E2E_SHARDS="$(E2E_SHARDS)" $(PYTHON) -m pytest -o faulthandler_timeout=0 -m e2e tests/e2e
 

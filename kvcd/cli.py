@@ -192,13 +192,18 @@ def _verb(root: HostRoot, args: argparse.Namespace) -> int:
 
 
 def _status(root: HostRoot, only: str | None, as_json: bool) -> int:
-    from kvcd.daemon.status import collect, failed, render
+    from kvcd.daemon.status import collect, failed, kernel, render, render_kernel
 
     entries = collect(root, only)
+    # With instances: what their modules run on (taint flags, signature enforcement).
+    running_on = kernel(root) if entries else None
     if as_json:
-        print(json.dumps({"instances": entries}, indent=2, sort_keys=True))
+        out = {"instances": entries, **({"kernel": running_on} if running_on else {})}
+        print(json.dumps(out, indent=2, sort_keys=True))
     else:
         print(render(entries))
+        if running_on:
+            print(render_kernel(running_on))
     return EXIT_FAILED if failed(entries) else EXIT_OK
 
 

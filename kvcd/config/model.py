@@ -173,6 +173,11 @@ class Settings:
     # node_exporter's textfile collector directory: kvcd-<instance>.prom files, rewritten after
     # each change (kvcd/daemon/metrics.py); "" = none (`kvcd metrics` still prints them).
     metrics_dir: str = "/run/kvcd/metrics"
+    # Module signing (kvcd/host/modsign.py): the private key (PEM, mode 600) and its X.509
+    # certificate; both or neither. Every module kvcd extracts is signed with them.
+    sign_key: str = ""
+    sign_cert: str = ""
+    sign_hash: str = "sha256"
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

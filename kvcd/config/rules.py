@@ -84,10 +84,14 @@ SETTINGS_KEYS = (
     "node_capabilities",
     "module_tree",
     "metrics_dir",
+    "sign_key",
+    "sign_cert",
+    "sign_hash",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")
 DRAIN_MODES = ("none", "cluster")
+SIGN_HASHES = ("sha256", "sha384", "sha512")
 # A Kubernetes label/annotation name part: at most 63 characters, alphanumeric at both ends.
 QNAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 

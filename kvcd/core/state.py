@@ -32,6 +32,11 @@ UNLOAD_FAILED = "UnloadFailed"
 MODULE_IN_USE = "ModuleInUse"
 VERIFY_FAILED = "VerifyFailed"
 HOOK_FAILED = "HookFailed"
+# Module signatures (kvcd/host/modsign.py): signing with the configured key failed; this kernel
+# loads only signed modules and one is not signed, or signed by a key it does not trust.
+SIGN_FAILED = "SignFailed"
+SIGNATURE_REQUIRED = "SignatureRequired"
+UNTRUSTED_SIGNER = "UntrustedSigner"
 # Drift (kvcd/daemon/drift.py): a file kvcd owns differs from what kvcd left there; an instance
 # module was removed from the kernel, or another build of it loaded, outside kvcd.
 DRIFT = "Drift"
@@ -86,6 +91,9 @@ REASONS = (
     STATE_DAMAGED,
     MODULE_OWNED,
     HOST_ERROR,
+    SIGN_FAILED,
+    SIGNATURE_REQUIRED,
+    UNTRUSTED_SIGNER,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

@@ -209,7 +209,9 @@ def build_ahead(
     fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": kernel}
     for line in plan.describe():
         log.info("next kernel %s: %s", kernel, line, extra=fields)
-    Executor(root, inst.cfg, inst.desired, podman, on_build_line=on_build_line).apply(plan)
+    Executor(
+        root, inst.cfg, inst.desired, podman, on_build_line=on_build_line, settings=inst.settings
+    ).apply(plan)
     built = any(isinstance(a, (AcquireImage, Extract)) for a in plan.actions)
     return f"built for {kernel}" if built else f"already extracted for {kernel}"
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcd.config.model import InstanceConfig
+from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import actions as act
 from kvcd.core import metrics as m
 from kvcd.core import state
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
-from kvcd.daemon import metrics, store
+from kvcd.daemon import metrics, signing, store
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
@@ -70,8 +70,11 @@ class Executor:
         podman: Callable[[], Podman],
         on_step: Callable[[str], None] = lambda _s: None,
         on_build_line: Callable[[str], None] = lambda _s: None,
+        settings: Settings | None = None,
     ) -> None:
         self.root = root
+        self.settings = settings
+        self.load_check = signing.LoadCheck(root, settings)
         self.cfg = cfg
         self.d = desired
         self._podman_factory = podman
@@ -300,6 +303,8 @@ class Executor:
                 raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
             except PodmanError as exc:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
+            if self.settings is not None:
+                signing.sign_extracted(self.settings, found, self.fields)
             store.write_manifest(dest, self._manifest(dest, found, a))
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
@@ -332,11 +337,12 @@ class Executor:
                 )
             modules[name] = store.StoredModule(
                 file=str(path.relative_to(dest)),
-                sha256=_sha256(path),
+                sha256=store.digest(path),
                 mode=path.stat().st_mode & 0o7777,
                 srcversion=_first(info, "srcversion"),
                 version=_first(info, "version"),
                 vermagic=vermagic,
+                **signing.signer_fields(path),
             )
         return store.Manifest(a.version, a.kernel, a.tag, modules)
 
@@ -372,7 +378,7 @@ class Executor:
             raise StepFailed(state.DEPMOD_FAILED, str(exc)) from exc
 
     def _load(self, name: str, params: tuple[tuple[str, str], ...]) -> None:
-        self._resolves_to_own(name)
+        self.load_check.check(name, self._resolves_to_own(name))
         try:
             kmod.load(self.root, self.d.kernel, name, params)
         except kmod.ModuleLoadError as exc:
@@ -380,11 +386,11 @@ class Executor:
         self._verify((name,), loaded=True)
         self._event(logging.INFO, journal.MSG_LOADED, "loaded %s", name)
 
-    def _resolves_to_own(self, name: str) -> None:
-        """The module tree must resolve `name` to this instance's own file. When another kvcd
-        instance (or the system's updates/) provides a module of the same name, modprobe could
-        load that one; kvcd would then see a foreign build loaded and unload and load it again
-        and again. Say so instead."""
+    def _resolves_to_own(self, name: str) -> str | None:
+        """The module tree must resolve `name` to this instance's own file (returned). When
+        another kvcd instance (or the system's updates/) provides a module of the same name,
+        modprobe could load that one; kvcd would then see a foreign build loaded and unload and
+        load it again and again. Say so instead."""
         if name not in self._resolved and self._resolve_together:
             names = [n for n in dict.fromkeys((name, *self._to_load)) if n not in self._resolved]
             found = kmod.resolve_many(self.root, self.d.kernel, names)
@@ -406,6 +412,7 @@ class Executor:
                 f"{name}: {kdir} resolves it to {path}, not to {self.cfg.name}'s own modules: "
                 "another instance (or the system) provides a module of that name",
             )
+        return path
 
     def _in_tree(self, a: act.RemoveInTree | act.RestoreInTree) -> None:
         from kvcd.host import intree
@@ -490,8 +497,3 @@ class Executor:
         if failed:
             text += ("; " if text else "") + "rollback incomplete: " + "; ".join(failed)
         return text
-
-
-def _sha256(path: Path) -> str:
-    with files.open_regular(path) as handle:  # a module file kvcd extracted: never a FIFO
-        return hashlib.sha256(handle.read()).hexdigest()

@@ -100,6 +100,7 @@ class Instance:
                     self._podman,
                     self.on_step,
                     self.on_build_line,
+                    self.settings,
                 ).apply(plan)
             except StepFailed as exc:
                 _enter(w, about, state.DEGRADED, exc.code, exc.detail)

@@ -209,6 +209,11 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             }
             if lm is not None and lm.refcnt > 0:  # who has its device nodes open (psutil)
                 live[mod]["processes"] = _processes(root, mod)
+            if lm is not None:
+                live[mod]["taint"] = (
+                    files.read_host_text(root.sys_module / mod / "taint") or ""
+                ).strip()
+        _signers(root, rec, live)
         entry["live"] = live
         kept_out, removed = (
             intree.observed(root, name) if may_exist(root.in_tree_note(name)) else ((), ())
@@ -242,6 +247,40 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         entry["capabilities"] = capabilities(root, name, settings, running, importer)
         out.append(entry)
     return out
+
+
+def _signers(root: HostRoot, rec: Record | None, live: dict[str, dict[str, Any]]) -> None:
+    """Each module's signer, as the store's manifest of the recorded version says."""
+    if rec is None or not rec.version or not rec.kernel or not live:
+        return
+    from kvcd.daemon import store
+
+    try:
+        manifest = store.read_manifest(store.tree(root, rec.instance, rec.version, rec.kernel))
+    except (OSError, ValueError):
+        return
+    for mod, stored in (manifest.modules if manifest else {}).items():
+        if mod in live and stored.signer is not None:  # None: recorded by an older kvcd
+            live[mod]["signer"] = stored.signer
+            live[mod]["sig_key"] = stored.sig_key
+            live[mod]["sig_hash"] = stored.sig_hash
+
+
+def kernel(root: HostRoot) -> dict[str, Any]:
+    """The running kernel's taint flags and whether it loads only signed modules."""
+    from kvcd.host import modsign
+
+    flags = modsign.kernel_taint(root)
+    return {
+        "taint": [letter for letter, _ in flags],
+        "taint_meaning": [meaning for _, meaning in flags],
+        "signatures": modsign.enforcement(root).describe(),
+    }
+
+
+def render_kernel(k: dict[str, Any]) -> str:
+    taint = ", ".join(f"{t} ({m})" for t, m in zip(k["taint"], k["taint_meaning"])) or "none"
+    return f"kernel: taint {taint}; module signatures {k['signatures']}"
 
 
 def _runtime_notes(
@@ -348,9 +387,17 @@ def render(entries: list[dict[str, Any]]) -> str:
                 held = f", held by {', '.join(v['holders'])}" if v["holders"] else ""
                 if v.get("processes"):
                     held += f", open by {', '.join(v['processes'])}"
-                lines.append(f"  {mod}: loaded (refcnt {v['refcnt']}{held})")
+                taint = f", taint {v['taint']}" if v.get("taint") else ""
+                lines.append(f"  {mod}: loaded (refcnt {v['refcnt']}{held}{taint})")
             else:
                 lines.append(f"  {mod}: not loaded")
+            if "signer" in v:
+                signer = v["signer"]
+                lines.append(
+                    f"    signed by {signer} (key {v.get('sig_key')}, {v.get('sig_hash')})"
+                    if signer
+                    else "    unsigned"
+                )
         in_tree = e.get("in_tree") or {}
         if in_tree.get("kept_out") or in_tree.get("removed"):
             kept = ", ".join(in_tree.get("kept_out") or []) or "none"

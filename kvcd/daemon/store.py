@@ -32,6 +32,10 @@ class StoredModule:
     srcversion: str | None = None
     version: str | None = None
     vermagic: str | None = None
+    # Who signed the file as extracted (or signed by kvcd), as modinfo reads it back.
+    signer: str | None = None
+    sig_key: str | None = None
+    sig_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class Manifest:
 def _module(info: object) -> StoredModule | None:
     if not isinstance(info, dict) or not isinstance(info.get("file"), str):
         return None
-    optional_str = ("sha256", "srcversion", "version", "vermagic")
+    optional_str = ("sha256", "srcversion", "version", "vermagic", "signer", "sig_key", "sig_hash")
     if any(not isinstance(info.get(k), (str, type(None))) for k in optional_str):
         return None
     mode = info.get("mode")
@@ -105,7 +109,18 @@ def _module(info: object) -> StoredModule | None:
         srcversion=info.get("srcversion"),
         version=info.get("version"),
         vermagic=info.get("vermagic"),
+        signer=info.get("signer"),
+        sig_key=info.get("sig_key"),
+        sig_hash=info.get("sig_hash"),
     )
+
+
+def digest(path: Path) -> str:
+    """The sha256 of a module file kvcd extracted (never a FIFO: files.open_regular)."""
+    import hashlib
+
+    with files.open_regular(path) as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
 
 
 def tree(root: HostRoot, instance: str, version: str, kernel: str) -> Path:

@@ -219,6 +219,11 @@ def check_settings(
 ) -> None:
     """Refuse settings this installation cannot honor: ConfigError naming the file and line."""
     problems = settings_problems(settings, importer)
+    if settings.sign_key or settings.sign_cert:
+        from kvcd.host.modsign import signing_problem
+
+        signing = signing_problem(settings.sign_key, settings.sign_cert)
+        problems += [signing] if signing else []
     if not problems:
         return
     from kvcd.config.loader import setting_line, settings_source

@@ -266,6 +266,10 @@ def test_every_block_is_what_kvcd_accepts(block: Block) -> None:
 
 # What the docs promise a block does, asserted on what the loader made of it.
 EXPECT: dict[str, dict[str, Any]] = {
+    "README.md:/etc/kvcd/kvcd.toml": {
+        "sign_key": "/etc/kvcd/keys/signing.key",
+        "sign_cert": "/etc/kvcd/keys/signing.crt",
+    },
     "packaging/README.md:/etc/kvcd/kvcd.toml": {
         "node_backend": "kubernetes",
         "kubeconfig": "/etc/kvcd/kubeconfig",

@@ -272,12 +272,14 @@ def test_dependencies(built: Built) -> None:
         "python3-psutil",
         "/usr/bin/python3",
     } <= requires
-    # Optional: only a setting needs each, and says so (kvcd/host/pylibs.py).
-    assert not {"python3-pydbus", "python3-kubernetes"} & requires
+    # Optional: only a setting needs each, and says so (kvcd/host/pylibs.py; openssl for
+    # sign_key/sign_cert, kvcd/host/modsign.py).
+    assert not {"python3-pydbus", "python3-kubernetes", "openssl"} & requires
     assert any(r.startswith("python(abi) = 3.") for r in requires)
     # Nothing may point into the build machine (a venv, the build root, this checkout).
     assert not [r for r in requires if re.search(r"venv|BUILDROOT|/work/|/tmp/|/root/", r)]
     assert sorted(rpmq(built.main, "--recommends").split()) == [
+        "openssl",
         "python3-kubernetes",
         "python3-pydbus",
     ]
