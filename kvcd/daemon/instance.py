@@ -123,7 +123,6 @@ class Instance:
         """The plan, and what the instance's record is about from now on; the record says
         Working before anything changes (KMM: status written before acting)."""
         previous = w.read()
-        plan = self.plan(verb)
         about: dict[str, Any] = {
             "goal": "unloaded" if verb == "unload" else "loaded" if verb == "load" else "built",
             "version": self.cfg.version,
@@ -133,6 +132,11 @@ class Instance:
             "generation": (previous.generation if previous else 0) + 1,
             "pid": pid,
         }
+        try:
+            plan = self.plan(verb)
+        except StepFailed as exc:  # the host could not be read as it must be: on the record
+            _enter(w, about, state.DEGRADED, exc.code, exc.detail)
+            raise
         changes = [a for a in plan.actions if not isinstance(a, Verify)]
         if changes or plan.blocked:
             _enter(w, about, state.WORKING, "", "")

@@ -82,7 +82,14 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         if lm is not None:
             in_tree[name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
     # Read even without a list: one the config no longer has is still loaded back on unload.
-    kept_out, removed = intree.observed(root, d.instance)
+    try:
+        kept_out, removed = intree.observed(root, d.instance)
+    except files.Damaged as exc:  # which in-tree modules kvcd must load back is unknown
+        raise StepFailed(
+            state.STATE_DAMAGED,
+            f"{exc}: it names the in-tree modules kvcd unloaded; load them as wanted, then "
+            "remove it",
+        ) from exc
     return Observed(
         kernel=d.kernel,
         stored=frozenset(stored),

@@ -215,11 +215,13 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
                 ).strip()
         _signers(root, rec, live)
         entry["live"] = live
-        kept_out, removed = (
-            intree.observed(root, name) if may_exist(root.in_tree_note(name)) else ((), ())
-        )
-        if kept_out or removed:
-            entry["in_tree"] = {"kept_out": list(kept_out), "removed": list(removed)}
+        try:
+            noted = intree.observed(root, name) if may_exist(root.in_tree_note(name)) else None
+        except OSError as exc:  # damaged or refused: say so, show the rest
+            entry["in_tree"] = {"error": str(exc)}
+            noted = None
+        if noted and (noted[0] or noted[1]):
+            entry["in_tree"] = {"kept_out": list(noted[0]), "removed": list(noted[1])}
         # The node annotation keys of this instance (names over 51 characters are hashed).
         entry["node_keys"] = f"{prefix}/{stem(name)}.*"
         stale = rec is not None and rec.boot_id is not None and rec.boot_id != current_boot
@@ -399,7 +401,9 @@ def render(entries: list[dict[str, Any]]) -> str:
                     else "    unsigned"
                 )
         in_tree = e.get("in_tree") or {}
-        if in_tree.get("kept_out") or in_tree.get("removed"):
+        if in_tree.get("error"):
+            lines.append(f"  in-tree modules: cannot tell ({in_tree['error']})")
+        elif in_tree.get("kept_out") or in_tree.get("removed"):
             kept = ", ".join(in_tree.get("kept_out") or []) or "none"
             gone = ", ".join(in_tree.get("removed") or []) or "none"
             lines.append(f"  in-tree modules kept out: {kept}; unloaded by kvcd: {gone}")

@@ -148,3 +148,22 @@ def test_bad_lists_are_refused(host: HostRoot, value: str, error: str) -> None:
     with pytest.raises(ConfigError) as exc:
         load_instance(host, "e2e")
     assert error in str(exc.value) and "e2e.toml:3" in str(exc.value)
+
+
+def test_a_damaged_note_is_said_and_kept(host: HostRoot) -> None:
+    """The note names what kvcd must load back: unreadable, the instance says so (StateDamaged,
+    naming the file), kvcd status says so, and the file stays for the admin to read."""
+    note = host.in_tree_note("e2e")
+    fakehost.write(note, "{not json")
+    svc = service(host)
+    try:
+        svc.reconcile([Event("start", kind=RETRY)])
+    finally:
+        svc.stop_extensions()
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith(f"StateDamaged: {note}: is not valid JSON")
+    assert "load them as wanted, then remove it" in rec.reason
+    out = status.render(status.collect(host, "e2e"))
+    assert f"  in-tree modules: cannot tell ({note}: is not valid JSON" in out
+    assert note.read_text() == "{not json"
