@@ -31,7 +31,7 @@ def sign_extracted(settings: Settings, found: list[Path], fields: dict[str, str]
 def signer_fields(path: Path) -> dict[str, str | None]:
     """The manifest's signer, sig_key and sig_hash of a module file: signer "" when it is
     unsigned (None in a manifest of an older kvcd: not recorded)."""
-    sig = modsign.signature(path) if modsign.is_signed(path) else None
+    sig = modsign.signature(path)
     if sig is None:
         return {"signer": "", "sig_key": None, "sig_hash": None}
     return {"signer": sig.signer, "sig_key": sig.key, "sig_hash": sig.hash}
@@ -50,8 +50,7 @@ class LoadCheck:
             self._rules = modsign.enforcement(self.root)
         if path is None or not self._rules.enforced:
             return
-        why = modsign.refusal(self.root, self._rules, Path(path), self.cert)
-        if why is not None:
-            unsigned = "is not signed" in why
-            code = state.SIGNATURE_REQUIRED if unsigned else state.UNTRUSTED_SIGNER
+        refused = modsign.refusal(self.root, self._rules, Path(path), self.cert)
+        if refused is not None:
+            code, why = refused
             raise StepFailed(code, f"{name}: {why}")

@@ -21,6 +21,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcd.core.state import SIGNATURE_REQUIRED, UNTRUSTED_SIGNER
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
@@ -89,6 +90,10 @@ def is_signed(path: Path) -> bool:
     """The trailer is there (an uncompressed .ko; compressed ones: modinfo says)."""
     if not path.name.endswith(".ko"):
         return signature(path) is not None
+    return _has_trailer(path)
+
+
+def _has_trailer(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         if f.tell() < len(MAGIC):
@@ -98,9 +103,12 @@ def is_signed(path: Path) -> bool:
 
 
 def signature(path: Path) -> Signature | None:
-    """Who signed the module file, read back by modinfo(8); None when it is not signed."""
+    """Who signed the module file, read back by modinfo(8); None when it is not signed (an
+    uncompressed .ko without the trailer: known without running modinfo)."""
     from kvcd.host.run import CommandError, run
 
+    if path.name.endswith(".ko") and not _has_trailer(path):
+        return None
     try:
         out = run(["modinfo", "--", str(path)]).stdout
     except CommandError:
@@ -129,9 +137,11 @@ def trusted_signers(root: HostRoot) -> frozenset[str]:
     return frozenset(m.group(1) for m in map(_KEY_LINE.match, text.splitlines()) if m)
 
 
-def refusal(root: HostRoot, rules: Enforcement, path: Path, cert: str = "") -> str | None:
-    """Why this kernel would refuse the module file, said before the load; None when it
-    would not (or when kvcd cannot tell: the kernel then judges, and says why)."""
+def refusal(
+    root: HostRoot, rules: Enforcement, path: Path, cert: str = ""
+) -> tuple[str, str] | None:
+    """(reason code, why) this kernel would refuse the module file, said before the load;
+    None when it would not (or when kvcd cannot tell: the kernel then judges, and says why)."""
     if not rules.enforced:
         return None
     enrol = (
@@ -140,15 +150,16 @@ def refusal(root: HostRoot, rules: Enforcement, path: Path, cert: str = "") -> s
         else "set sign_key and sign_cert in kvcd.toml, enrol the certificate with "
         "`mokutil --import <certificate in DER form>` and reboot"
     )
-    if not is_signed(path):
-        return f"{path.name} is not signed, and this kernel loads only signed modules " + (
+    sig = signature(path)
+    if sig is None:
+        return SIGNATURE_REQUIRED, (
+            f"{path.name} is not signed, and this kernel loads only signed modules "
             f"({rules.describe().removeprefix('enforced (').rstrip(')')}): {enrol}"
         )
-    sig = signature(path)
     trusted = trusted_signers(root)
-    if sig is None or not trusted or sig.signer in trusted:
+    if not trusted or sig.signer in trusted:
         return None
-    return (
+    return UNTRUSTED_SIGNER, (
         f"{path.name} is signed by {sig.signer!r} (key {sig.key}), a key this kernel does not "
         f"trust ({', '.join(sorted(trusted))}): {enrol}"
     )

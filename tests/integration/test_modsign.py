@@ -183,15 +183,17 @@ def test_refusal_before_the_load(tmp_path: Path, module: Path, keypair: tuple[Pa
     rules = modsign.enforcement(root)
     assert modsign.trusted_signers(root) == {"Debian Secure Boot CA"}
 
-    why = modsign.refusal(root, rules, module, "/etc/kvcd/keys/signing.crt")
-    assert why == (
+    refused = modsign.refusal(root, rules, module, "/etc/kvcd/keys/signing.crt")
+    assert refused is not None and refused[0] == "SignatureRequired"
+    assert refused[1] == (
         "kvcd_base.ko is not signed, and this kernel loads only signed modules "
         "(module.sig_enforce=1): mokutil --import </etc/kvcd/keys/signing.crt in DER form> and "
         "reboot to enrol it"
     )
     modsign.sign(module, *keypair)
-    why = modsign.refusal(root, rules, module)
-    assert why is not None and why.startswith(
+    refused = modsign.refusal(root, rules, module)
+    assert refused is not None and refused[0] == "UntrustedSigner"
+    assert refused[1].startswith(
         f"kvcd_base.ko is signed by '{SIGNER}' (key {serial(keypair[1])}), a key this kernel "
         "does not trust (Debian Secure Boot CA): set sign_key and sign_cert in kvcd.toml"
     )
