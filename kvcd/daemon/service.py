@@ -189,6 +189,11 @@ class Service:
         A build that keeps printing gets EXTEND_TIMEOUT_USEC (at most every 30 s); a silent one
         still meets the unit's TimeoutStartSec."""
         log.info("%s", line.rstrip(), extra=self.fields)
+        self._extend()
+
+    def _extend(self) -> None:
+        """Proof of life: EXTEND_TIMEOUT_USEC, at most every 30 s (a build's output lines, a
+        stop waiting for a drain)."""
         now = time.monotonic()
         if now - self._extended >= 30.0:
             self._extended = now
@@ -398,7 +403,9 @@ class Service:
 
         drain = next((e for e in self.exts if isinstance(e, Drain)), None)
         policy = self.cfg.unload_policy
-        return stopping.stop(policy, self._instance, self.notify, self.fields, drain, self.ctx)
+        return stopping.stop(
+            policy, self._instance, self.notify, self._extend, self.fields, drain, self.ctx
+        )
 
     def run(self) -> int:
         self._install()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,29 +30,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How much more stop time each look at the node asks systemd for while a drain is awaited.
-EXTEND_USEC = 60_000_000
-
 
 def stop(
     policy: str,
     instance: Callable[[], Instance | None],
     notify: Notifier,
+    extend: Callable[[], None],
     fields: dict[str, str],
     drain: Drain | None = None,
     ctx: Context | None = None,
 ) -> int:
-    """Walk the policy's steps; the exit code of `kvcd run`."""
+    """Walk the policy's steps; the exit code of `kvcd run`. `extend` pushes the unit's
+    TimeoutStopSec out while a drain is awaited (the service's rate-limited EXTEND_TIMEOUT)."""
     last, requested, why = hs.STOPPING, False, ""
     inst: Instance | None = None
-    extended = [0.0]
-
-    def keepalive() -> None:  # the unit's TimeoutStopSec, pushed out while the drain is awaited
-        now = time.monotonic()
-        if now - extended[0] >= 20.0:
-            extended[0] = now
-            notify.extend_timeout(EXTEND_USEC)
-
     try:
         while True:
             step = hs.stop_step(policy, last, requested)
@@ -74,7 +64,7 @@ def stop(
                     failed: str | None = "cannot request a node drain: no node backend started"
                 else:
                     with Keepalive(notify):
-                        failed = drain.drain_for_stop(ctx, why, keepalive)
+                        failed = drain.drain_for_stop(ctx, why, extend)
                 last = hs.DRAINED if failed is None else hs.NOT_DRAINED
                 why = why if failed is None else f"{why}; {failed}"
                 continue
