@@ -80,6 +80,9 @@ class InstanceConfig:
     image: str | None = None
     # Where the module files sit inside the image; {kernel} is replaced.
     modules_path: str = "/lib/modules/{kernel}/"
+    # Where firmware files sit inside the image (KMM's firmwarePath), {kernel} replaced; ""
+    # = none. kvcd installs them into /var/lib/kvcd/firmware (kvcd/daemon/firmware.py).
+    firmware_path: str = ""
     # What stopping does with the loaded modules: "if-idle" | "never" | "drain" (core/drain.py).
     unload_policy: str = "if-idle"
     keep_images: int = 3
@@ -135,6 +138,9 @@ class InstanceConfig:
 
     def path_in_image(self, kernel: str) -> str:
         return self.modules_path.replace("{kernel}", kernel)
+
+    def firmware_in_image(self, kernel: str) -> str:
+        return self.firmware_path.replace("{kernel}", kernel)
 
     def kvc_vars(self) -> tuple[tuple[str, str], ...]:
         """The KMOD_* variables KVC libraries read, then the rest of the .conf, as data."""

@@ -86,10 +86,12 @@ class TomlInstance:
         values: dict[str, Any] = {}
         if "image" in data:
             values["image"] = self.check(rules.valid_image, data["image"], "image")
-        if "modules_path" in data:
-            values["modules_path"] = self.check(
-                rules.valid_modules_path, data["modules_path"], "modules_path"
-            )
+        for key, rule in (
+            ("modules_path", rules.valid_modules_path),
+            ("firmware_path", rules.valid_firmware_path),
+        ):
+            if key in data:
+                values[key] = self.check(rule, data[key], key)
         if "unload_policy" in data or "unload_on_stop" in data:
             values["unload_policy"] = self.unload_policy(data)
         if "in_tree_modules_to_remove" in data:

@@ -55,6 +55,7 @@ TOP_KEYS = (
     "modules",
     "image",
     "modules_path",
+    "firmware_path",
     "unload_policy",
     "unload_on_stop",
     "in_tree_modules_to_remove",
@@ -287,6 +288,14 @@ def valid_modules_path(value: object, label: str) -> str:
     if ".." in value.split("/") or has_control(value):
         raise Invalid(f"'{label}' must not contain '..' or control characters")
     return value
+
+
+def valid_firmware_path(value: object, label: str) -> str:
+    """A directory of the image holding firmware files only: not its root."""
+    path = valid_modules_path(value, label)
+    if not path.strip("/"):
+        raise Invalid(f"'{label}' must name the image's firmware directory, not its root")
+    return path
 
 
 # Upper bounds on what an instance may ask for: far above any real driver, low enough that a

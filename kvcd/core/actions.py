@@ -26,16 +26,19 @@ class AcquireImage:
 
 @dataclass(frozen=True)
 class Extract:
-    """Copy the module files of `tag` (at path_in_image) into the store for version/kernel."""
+    """Copy the module files of `tag` (at path_in_image), and the files under firmware_path
+    when it is set, into the store for version/kernel."""
 
     tag: str
     path_in_image: str
     version: str
     kernel: str
+    firmware_path: str = ""
 
     def describe(self) -> str:
         where = f"({self.version}, {self.kernel})"
-        return f"extract {self.path_in_image} of {self.tag} into the store {where}"
+        also = f" and the firmware under {self.firmware_path}" if self.firmware_path else ""
+        return f"extract {self.path_in_image}{also} of {self.tag} into the store {where}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,19 @@ class Activate:
         return (
             f"activate version {self.version} in the module root for {self.kernel} and run depmod"
         )
+
+
+@dataclass(frozen=True)
+class SyncFirmware:
+    """Make the node's firmware directory hold exactly the firmware files of the stored
+    `version` for the instance (none: what it owned is released), and the kernel's firmware
+    search path point at it."""
+
+    version: str
+    kernel: str
+
+    def describe(self) -> str:
+        return f"install the firmware of version {self.version} into kvcd's firmware directory"
 
 
 @dataclass(frozen=True)
@@ -129,6 +145,7 @@ Action = Union[
     AcquireImage,
     Extract,
     Activate,
+    SyncFirmware,
     Load,
     Unload,
     RemoveInTree,

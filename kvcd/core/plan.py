@@ -18,6 +18,7 @@ from kvcd.core.actions import (
     Load,
     RemoveInTree,
     RestoreInTree,
+    SyncFirmware,
     Unload,
     Verify,
 )
@@ -125,7 +126,7 @@ def plan_build(d: Desired, o: Observed) -> Plan:
     return Plan(
         (
             AcquireImage(d.image_tag, d.pull_ref, d.build_context),
-            Extract(d.image_tag, d.path_in_image, d.version, d.kernel),
+            Extract(d.image_tag, d.path_in_image, d.version, d.kernel, d.firmware_path),
             CollectImages(d.keep_images),
         )
     )
@@ -150,8 +151,10 @@ def plan_load(d: Desired, o: Observed) -> Plan:
     # An in-tree build of a module the instance ships goes with the in-tree modules to remove.
     stale = [n for n in names if n in o.loaded and n not in loaded_ok and n not in in_tree]
     ready = o.active == d.version and o.depmod_current
+    # Firmware before the loads: a module asks for its firmware while it initialises.
+    firmware = [] if o.firmware_current else [SyncFirmware(d.version, d.kernel)]
     if not stale and ready and all_ok:
-        return Plan((*remove, Verify(names, loaded=True)))
+        return Plan((*remove, *firmware, Verify(names, loaded=True)))
 
     # Built first: a failed build leaves the in-tree driver in place. Then the in-tree modules
     # go, before a swap: one of them may hold an in-tree build of a module the instance ships.
@@ -167,6 +170,7 @@ def plan_load(d: Desired, o: Observed) -> Plan:
         loaded_ok = set()
     if not ready:
         actions.append(Activate(d.version, d.kernel))
+    actions += firmware
     actions += [Load(m.kernel_name, m.params) for m in d.modules if m.kernel_name not in loaded_ok]
     actions.append(Verify(names, loaded=True))
     return Plan(tuple(actions), rollback_to=rollback_to)

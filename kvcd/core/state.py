@@ -37,6 +37,11 @@ HOOK_FAILED = "HookFailed"
 SIGN_FAILED = "SignFailed"
 SIGNATURE_REQUIRED = "SignatureRequired"
 UNTRUSTED_SIGNER = "UntrustedSigner"
+# Firmware (kvcd/daemon/firmware.py): a file of the same name with other content is another
+# instance's (or not kvcd's) in the node's firmware directory; the kernel's firmware search path
+# is set to another directory, or this kernel has none.
+FIRMWARE_CONFLICT = "FirmwareConflict"
+FIRMWARE_PATH = "FirmwarePath"
 # Drift (kvcd/daemon/drift.py): a file kvcd owns differs from what kvcd left there; an instance
 # module was removed from the kernel, or another build of it loaded, outside kvcd.
 DRIFT = "Drift"
@@ -94,6 +99,8 @@ REASONS = (
     SIGN_FAILED,
     SIGNATURE_REQUIRED,
     UNTRUSTED_SIGNER,
+    FIRMWARE_CONFLICT,
+    FIRMWARE_PATH,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

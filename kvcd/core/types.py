@@ -41,6 +41,8 @@ class Desired:
     # In-tree modules to unload before loading (KMM's inTreeModulesToRemove), in that order,
     # kept from loading while the instance is active and loaded again when it unloads.
     remove_in_tree: tuple[str, ...] = ()
+    # Where the image keeps its firmware files (KMM's firmwarePath); "" = none.
+    firmware_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,6 @@ class Observed:
     # has not loaded again (its runtime record), in the order they were removed.
     kept_out: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
+    # The node's firmware directory holds exactly the desired version's firmware files for the
+    # instance (none when it ships none), and the kernel searches it when there are any.
+    firmware_current: bool = True

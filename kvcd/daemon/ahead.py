@@ -121,7 +121,7 @@ def _stage_weak_tree(source: Path, manifest: store.Manifest, dest: Path, running
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        for path in manifest.files(source):
+        for path in [*manifest.files(source), *manifest.firmware_files(source)]:
             target = tmp / path.relative_to(source)
             target.parent.mkdir(parents=True, exist_ok=True)
             try:

@@ -8,17 +8,16 @@ what was rolled back appended.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvcd.config.loader import list_instances
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import actions as act
 from kvcd.core import metrics as m
@@ -26,7 +25,7 @@ from kvcd.core import state
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
-from kvcd.daemon import metrics, signing, store
+from kvcd.daemon import firmware, imagelabels, metrics, signing, store
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
@@ -54,6 +53,7 @@ class Attempt:
     unloaded: list[str] = field(default_factory=list)
     previous_store: Path | None = None
     activated: bool = False
+    firmware: bool = False  # the firmware directory changed
 
 
 def _first(info: dict[str, list[str]], key: str) -> str | None:
@@ -155,6 +155,9 @@ class Executor:
             self._extract(a)
         elif isinstance(a, act.Activate):
             self._activate(a, attempt)
+        elif isinstance(a, act.SyncFirmware):
+            attempt.firmware = True
+            self._firmware(store.tree(self.root, self.cfg.name, a.version, a.kernel))
         elif isinstance(a, act.Load):
             self._load(a.module, a.params)
             attempt.loaded.append(a.module)
@@ -176,7 +179,10 @@ class Executor:
 
         try:
             cached = self.podman.get_image(a.tag)
-            foreign = None if cached is None else self._not_ours(cached.labels)
+            labels = None if cached is None else cached.labels
+            foreign = (
+                None if labels is None else imagelabels.not_ours(self.cfg, self.d.kernel, labels)
+            )
             if cached is not None and foreign is None:
                 log.info("image %s is cached; no build", a.tag, extra=self.fields)
                 self._cache_hit = True
@@ -219,7 +225,7 @@ class Executor:
                     "KVER": self.d.kernel,
                     "KMODVER": self.cfg.version,
                 },
-                labels=self._labels(),
+                labels=imagelabels.labels(self.cfg, self.d.kernel),
             )
             self._event(
                 logging.INFO,
@@ -252,44 +258,6 @@ class Executor:
         except PodmanUnavailable as exc:
             raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
 
-    def _inputs(self) -> str:
-        """A digest of what the build is made from, as the config says it (a local context's
-        files are not read: a change there needs a new version, as the README says)."""
-        build = self.cfg.build
-        parts = {
-            "instance": self.cfg.name,
-            "variant": self.cfg.variant or "",
-            "version": self.cfg.version,
-            "kernel": self.d.kernel,
-            "context": build.context if build else "",
-            "containerfile": build.containerfile if build else "",
-            "args": sorted(build.args) if build else [],
-        }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-    def _labels(self) -> dict[str, str]:
-        return {
-            "io.kvcd.instance": self.cfg.name,
-            "io.kvcd.version": self.cfg.version,
-            "io.kvcd.kernel": self.d.kernel,
-            "io.kvcd.inputs": self._inputs(),
-        }
-
-    def _not_ours(self, labels: Mapping[str, str]) -> str | None:
-        """Why an image kvcd built under this tag is not this instance's build of these inputs
-        (None: it is, or it carries no kvcd labels: pulled, or built by an older kvcd)."""
-        if "io.kvcd.instance" not in labels:
-            return None
-        want = self._labels()
-        if "io.kvcd.inputs" not in labels:  # built before kvcd labelled its inputs
-            want.pop("io.kvcd.inputs")
-        wrong = [
-            f"{k.removeprefix('io.kvcd.')} {labels.get(k)!r}"
-            for k in want
-            if labels.get(k) != want[k]
-        ]
-        return f"for {', '.join(wrong)}" if wrong else None
-
     def _extract(self, a: act.Extract) -> None:
         from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
@@ -305,7 +273,14 @@ class Executor:
                 raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
             if self.settings is not None:
                 signing.sign_extracted(self.settings, found, self.fields)
-            store.write_manifest(dest, self._manifest(dest, found, a))
+            manifest = self._manifest(dest, found, a)
+            if a.firmware_path:
+                try:
+                    fw = firmware.extract(self.podman, a.tag, a.firmware_path, dest)
+                except PodmanError as exc:
+                    raise StepFailed(state.EXTRACT_FAILED, str(exc)) from exc
+                manifest = replace(manifest, firmware=fw)
+            store.write_manifest(dest, manifest)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
@@ -376,6 +351,14 @@ class Executor:
             kmod.depmod(self.root, a.kernel)
         except kmod.KmodError as exc:
             raise StepFailed(state.DEPMOD_FAILED, str(exc)) from exc
+
+    def _firmware(self, tree: Path | None) -> None:
+        """The firmware directory as `tree`'s manifest says (None or no firmware_path: none)."""
+        manifest = store.read_manifest(tree) if tree is not None else None
+        want = manifest.firmware if manifest and self.cfg.firmware_path else {}
+        configured = set(list_instances(self.root))
+        for name in firmware.sync(self.root, self.cfg.name, tree, want, configured.__contains__):
+            log.info("firmware %s removed: no owner left", name, extra=self.fields)
 
     def _load(self, name: str, params: tuple[tuple[str, str], ...]) -> None:
         self.load_check.check(name, self._resolves_to_own(name))
@@ -484,6 +467,12 @@ class Executor:
                 done.append("module root restored")
             except (OSError, kmod.KmodError) as exc:
                 failed.append(f"restoring the module root: {exc}")
+        if attempt.firmware:  # the previous version's firmware back (none: none)
+            try:
+                self._firmware(attempt.previous_store if attempt.activated else None)
+                done.append("firmware restored")
+            except (StepFailed, OSError) as exc:
+                failed.append(f"restoring the firmware: {exc}")
         self._to_load = tuple(reversed(attempt.unloaded))
         for name in reversed(attempt.unloaded):  # unloaded in reverse, so this is load order
             try:

@@ -9,7 +9,7 @@ from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired, ModState, Observed
-from kvcd.daemon import store
+from kvcd.daemon import firmware, store
 from kvcd.host import files, intree, kmod, modtree, rpmostree, sysmodule
 from kvcd.host.paths import HostRoot
 
@@ -29,6 +29,7 @@ def desired_for(cfg: InstanceConfig, kernel: str) -> Desired:
         hooks=cfg.kvc_lib is not None,
         keep_images=cfg.keep_images,
         remove_in_tree=cfg.in_tree_modules_to_remove,
+        firmware_path=cfg.firmware_in_image(kernel),
     )
 
 
@@ -75,6 +76,12 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         if lm is not None:
             loaded[m.kernel_name] = ModState(lm.refcnt, lm.holders, lm.srcversion, lm.version)
     want = stored.get(d.version)
+    if want is not None and d.firmware_path and not want.firmware:
+        # Extracted before the config named its firmware: extracted again with it, and its
+        # modules loaded again, so that they find it when they initialise.
+        del stored[d.version]
+        want = None
+        active = None if active == d.version else active
     # In-tree modules to remove: a name the instance ships too is in `loaded` already.
     in_tree: dict[str, ModState] = {}
     for name in d.remove_in_tree:
@@ -101,4 +108,14 @@ def observe(root: HostRoot, d: Desired) -> Observed:
         in_tree=in_tree,
         kept_out=kept_out,
         removed=removed,
+        firmware_current=_firmware_current(root, d, want),
     )
+
+
+def _firmware_current(root: HostRoot, d: Desired, want: store.Manifest | None) -> bool:
+    if d.hooks:
+        return True
+    if d.firmware_path and want is None:
+        return False  # not extracted yet: installed once it is
+    # A damaged owners table is StepFailed(StateDamaged), said as the instance's reason.
+    return firmware.current(root, d.instance, want.firmware if want and d.firmware_path else {})

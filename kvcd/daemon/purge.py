@@ -7,8 +7,9 @@ In order, stopping at the first refusal so that nothing is half-removed:
    in use refuses the purge with its holders named, and nothing is removed;
 3. the instance's links (or, with module_tree = "system", its installed copies) in every
    kernel's module tree, each tree re-indexed;
-4. its store of extracted modules, its state record, drift expectations, runtime files and
-   metrics, and the damaged copies of them kvcd set aside;
+4. its store of extracted modules, its firmware files no other instance ships, its state
+   record, drift expectations, runtime files and metrics, and the damaged copies of them kvcd
+   set aside;
 5. its node annotations (`<prefix>/<stem>.*`; a drain claim withdrawn recomputes the node-wide
    request); the label an admin set for it (ordered upgrade) stays;
 6. its driver images (labelled `io.kvcd.instance=NAME`).
@@ -127,6 +128,21 @@ def _files(root: HostRoot, settings: Settings, name: str) -> list[Path]:
     return out
 
 
+def _firmware(root: HostRoot, name: str) -> str | None:
+    """Its firmware files that no other instance ships, and its place in the owners table;
+    why not, when they stay."""
+    from kvcd.config.loader import list_instances
+    from kvcd.daemon import firmware
+
+    try:
+        configured = set(list_instances(root))
+        for path in firmware.sync(root, name, None, {}, configured.__contains__):
+            log.info("%s: firmware %s removed", name, path)
+    except (StepFailed, ConfigError, OSError) as exc:
+        return str(exc)
+    return None
+
+
 def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
     """Remove the instance's annotations; why not, when the node cannot be reached."""
     from kvcd.node.backend import NodeView, Unavailable
@@ -184,12 +200,13 @@ def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None)
             log.info("%s: removed from kernel %s's module tree", name, kernel)
         if store.exists():
             shutil.rmtree(store)
+        firmware_left = _firmware(root, name)
         for path in _files(root, settings, name):
             path.unlink(missing_ok=True)
             for aside in path.parent.glob(f"{path.name}.damaged-*"):  # files.set_aside's
                 aside.unlink()
     root.instance_lock(name).unlink(missing_ok=True)
-    left = []
+    left = [f"firmware in {root.firmware_dir}: {firmware_left}"] if firmware_left else []
     why = _node(root, settings, name)
     if why is not None:
         left.append(f"node annotations {settings.annotation_prefix}/{stem(name)}.*: {why}")

@@ -14,6 +14,7 @@ from typing import Any
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
+from kvcd.daemon import firmware
 from kvcd.daemon.record import Record, boot_id, known_names, unsaved
 from kvcd.host import files, intree, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
@@ -187,6 +188,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     prefix = settings.annotation_prefix
     importer = _remembered(pylibs.locate)
     may_exist = _runtime_files(root)
+    firmware_of = firmware.status(root) if names else (lambda _n: None)
     out = []
     for name in names:
         try:
@@ -215,13 +217,10 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
                 ).strip()
         _signers(root, rec, live)
         entry["live"] = live
-        try:
-            noted = intree.observed(root, name) if may_exist(root.in_tree_note(name)) else None
-        except OSError as exc:  # damaged or refused: say so, show the rest
-            entry["in_tree"] = {"error": str(exc)}
-            noted = None
-        if noted and (noted[0] or noted[1]):
-            entry["in_tree"] = {"kept_out": list(noted[0]), "removed": list(noted[1])}
+        _replaced(root, name, entry, may_exist)
+        fw = firmware_of(name)
+        if fw is not None:
+            entry["firmware"] = fw
         # The node annotation keys of this instance (names over 51 characters are hashed).
         entry["node_keys"] = f"{prefix}/{stem(name)}.*"
         stale = rec is not None and rec.boot_id is not None and rec.boot_id != current_boot
@@ -249,6 +248,19 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         entry["capabilities"] = capabilities(root, name, settings, running, importer)
         out.append(entry)
     return out
+
+
+def _replaced(
+    root: HostRoot, name: str, entry: dict[str, Any], may_exist: Callable[[Path], bool]
+) -> None:
+    """The in-tree modules the instance keeps out and those kvcd unloaded for it."""
+    try:
+        noted = intree.observed(root, name) if may_exist(root.in_tree_note(name)) else None
+    except OSError as exc:  # damaged or refused: say so, show the rest
+        entry["in_tree"] = {"error": str(exc)}
+        return
+    if noted and (noted[0] or noted[1]):
+        entry["in_tree"] = {"kept_out": list(noted[0]), "removed": list(noted[1])}
 
 
 def _signers(root: HostRoot, rec: Record | None, live: dict[str, dict[str, Any]]) -> None:
@@ -407,6 +419,8 @@ def render(entries: list[dict[str, Any]]) -> str:
             kept = ", ".join(in_tree.get("kept_out") or []) or "none"
             gone = ", ".join(in_tree.get("removed") or []) or "none"
             lines.append(f"  in-tree modules kept out: {kept}; unloaded by kvcd: {gone}")
+        if e.get("firmware"):
+            lines.append(f"  {firmware.render(e['firmware'])}")
         for key, cap in (e.get("capabilities") or {}).items():
             lines.append(f"  {render_capability(key, cap)}")
         for link in (e.get("links") or {}).get("provided") or []:

@@ -20,6 +20,9 @@ from kvcd.host.paths import HostRoot
 log = logging.getLogger(__name__)
 
 MANIFEST = ".kvcd-manifest.json"
+# The firmware files an image ships (firmware_path), beside its modules in the tree: linked
+# for a next kernel with them and watched for drift with them. depmod reads only .ko files.
+FIRMWARE = ".kvcd-firmware"
 
 
 @dataclass(frozen=True)
@@ -47,14 +50,23 @@ class Manifest:
     # The running kernel whose extraction was hard-linked here because it passed the kABI
     # check for this one ("": extracted for this kernel).
     weak_updates_from: str = ""
+    # Firmware files, relative to the tree's FIRMWARE directory (the name the kernel asks
+    # for) -> sha256.
+    firmware: dict[str, str] = field(default_factory=dict)
 
     def files(self, tree: Path) -> list[Path]:
         """The tree's module files, in module-name order."""
         return [tree / m.file for _, m in sorted(self.modules.items())]
 
+    def firmware_files(self, tree: Path) -> list[Path]:
+        return [tree / FIRMWARE / rel for rel in sorted(self.firmware)]
+
     def entries(self) -> dict[str, dict[str, Any]]:
         """What drift expects of the tree: relative path -> {sha256, mode}."""
-        return {m.file: {"sha256": m.sha256, "mode": m.mode} for m in self.modules.values()}
+        out = {m.file: {"sha256": m.sha256, "mode": m.mode} for m in self.modules.values()}
+        for rel, sha in self.firmware.items():
+            out[f"{FIRMWARE}/{rel}"] = {"sha256": sha, "mode": 0o644}
+        return out
 
     def srcversions(self) -> dict[str, str]:
         return {name: m.srcversion for name, m in self.modules.items() if m.srcversion}
@@ -70,6 +82,8 @@ class Manifest:
         data = asdict(self)
         if not self.weak_updates_from:
             del data["weak_updates_from"]
+        if not self.firmware:
+            del data["firmware"]
         return data
 
     @classmethod
@@ -83,6 +97,11 @@ class Manifest:
         mods = data.get("modules", {})
         if not all(isinstance(v, str) for v in (*head, weak)) or not isinstance(mods, dict):
             return None
+        firmware = data.get("firmware", {})
+        if not isinstance(firmware, dict) or not all(
+            firmware_name(k) and isinstance(v, str) for k, v in firmware.items()
+        ):
+            return None
         modules = {}
         for name, info in mods.items():
             module = _module(info)
@@ -90,7 +109,16 @@ class Manifest:
                 return None
             modules[str(name)] = module
         version, kernel, image = head
-        return cls(version, kernel, image, modules, weak)  # type: ignore[arg-type]
+        return cls(version, kernel, image, modules, weak, firmware)  # type: ignore[arg-type]
+
+
+def firmware_name(name: object) -> bool:
+    """A firmware file's name as the kernel asks for it: relative, no '.' or '..' part, no
+    control character (it is a path under the firmware directory, and a journal field)."""
+    if not isinstance(name, str) or not name or name.startswith("/") or len(name) > 255:
+        return False
+    parts = name.split("/")
+    return all(p not in ("", ".", "..") for p in parts) and all(ord(c) >= 32 for c in name)
 
 
 def _module(info: object) -> StoredModule | None:

@@ -83,6 +83,26 @@ class HostRoot:
         """Extracted module trees of an instance, one directory per version and kernel."""
         return self.state / "store" / instance
 
+    @property
+    def firmware_dir(self) -> Path:
+        """One directory for every instance's firmware files: the kernel's search path."""
+        return self.state / "firmware"
+
+    @property
+    def firmware_owners(self) -> Path:
+        """Which instance owns which file of firmware_dir, and its sha256."""
+        return self.state / "firmware.json"
+
+    @property
+    def firmware_lock(self) -> Path:
+        """Node-wide: held while an instance changes firmware_dir and its owners."""
+        return self.runtime / ".firmware.lock"
+
+    @property
+    def firmware_search_path(self) -> Path:
+        """The kernel's custom firmware directory (firmware_class.path), searched first."""
+        return self("/sys/module/firmware_class/parameters/path")
+
     def state_file(self, instance: str) -> Path:
         return self.state / "instances" / f"{instance}.json"
 

@@ -274,6 +274,7 @@ class Podman:
         path_in_image: str,
         dest_dir: str | os.PathLike[str],
         patterns: Sequence[str] = MODULE_PATTERNS,
+        kind: str = "kernel module",
     ) -> list[Path]:
         """Copy the module files under ``path_in_image`` (a directory, e.g.
         ``/lib/modules/<kver>``) of ``image_ref`` into ``dest_dir``, keeping their directories
@@ -310,10 +311,10 @@ class Podman:
                 resp.close()
             if not found:
                 raise PodmanError(
-                    f"no kernel module ({', '.join(patterns)}) under {src} in image {image_ref}"
+                    f"no {kind} ({', '.join(patterns)}) under {src} in image {image_ref}"
                 )
             replace_dir(staging, dest)
-            log.info("%s: %d module file(s) into %s", what, len(found), dest)
+            log.info("%s: %d %s file(s) into %s", what, len(found), kind, dest)
             return [dest / path.relative_to(staging) for path in found]
         finally:
             if container is not None:

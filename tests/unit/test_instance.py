@@ -60,7 +60,7 @@ class FakePodman:
         self.images[spec.tag] = info
         return info
 
-    def extract(self, ref: str, path: str, dest: Path, patterns: Any = ()) -> list[Path]:
+    def extract(self, ref: str, path: str, dest: Path, patterns: Any = (), **kw: Any) -> list[Path]:
         self.calls.append(("extract", (ref, path)))
         dest.mkdir(parents=True)
         out = []

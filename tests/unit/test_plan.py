@@ -13,6 +13,7 @@ from kvcd.core.actions import (
     Load,
     RemoveInTree,
     RestoreInTree,
+    SyncFirmware,
     Unload,
     Verify,
 )
@@ -551,3 +552,88 @@ def test_plan_unload_restores_in_tree_modules(
     plan = plan_unload(D_IT, observed)
     assert plan.blocked is None
     assert list(plan.actions) == steps
+
+
+# --- firmware (issue #17, KMM's firmwarePath) ----------------------------------------------------
+D_FW = Desired(**{**D.__dict__, "firmware_path": "/firmware"})
+SYNC = SyncFirmware("2.0", K)
+FIRMWARE_LOAD = [
+    (
+        "nothing on the host: extracted with its firmware, installed before the first load",
+        D_FW,
+        obs(firmware_current=False),
+        [
+            ACQUIRE,
+            Extract(TAG, f"/lib/modules/{K}/", "2.0", K, "/firmware"),
+            CollectImages(2),
+            Activate("2.0", K),
+            SYNC,
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+    ),
+    (
+        "loaded, firmware in place: verify only",
+        D_FW,
+        obs(**OURS),
+        [Verify(BOTH, True)],
+    ),
+    (
+        "loaded, but its firmware gone (a reboot reset the search path, a file removed)",
+        D_FW,
+        obs(firmware_current=False, **OURS),
+        [SYNC, Verify(BOTH, True)],
+    ),
+    (
+        "after an upgrade: the old version out, firmware of the new one in, then the loads",
+        D_FW,
+        obs(
+            firmware_current=False,
+            loaded=LOADED_OLD,
+            stored=frozenset({"1.0", "2.0"}),
+            active="1.0",
+            stored_srcversion=NEW,
+        ),
+        [
+            Unload("kvcd_user"),
+            Unload("kvcd_base"),
+            Activate("2.0", K),
+            SYNC,
+            LOAD_BASE,
+            LOAD_USER,
+            Verify(BOTH, True),
+        ],
+    ),
+    (
+        "firmware_path taken out of the config: what it owned is released, nothing reloaded",
+        D,
+        obs(firmware_current=False, **OURS),
+        [SYNC, Verify(BOTH, True)],
+    ),
+    (
+        "a KVC hook library: the hooks do everything",
+        Desired(**{**D_FW.__dict__, "hooks": True}),
+        obs(firmware_current=False),
+        [Hook("build_kmods"), Hook("load_kmods"), Verify(BOTH, True)],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "desired", "observed", "steps"), FIRMWARE_LOAD, ids=[r[0] for r in FIRMWARE_LOAD]
+)
+def test_plan_load_installs_firmware_first(
+    why: str, desired: Desired, observed: Observed, steps: list[object]
+) -> None:
+    plan = plan_load(desired, observed)
+    assert plan.blocked is None
+    assert list(plan.actions) == steps
+
+
+def test_firmware_is_neither_prepared_ahead_nor_touched_by_an_unload() -> None:
+    """Firmware does not depend on the kernel: the next kernel finds the node's directory as it
+    is; an unload leaves it (the files go when no instance ships them any more)."""
+    o = obs(firmware_current=False, **OURS)
+    assert not any(isinstance(a, SyncFirmware) for a in plan_prepare(D_FW, o).actions)
+    assert not any(isinstance(a, SyncFirmware) for a in plan_unload(D_FW, o).actions)

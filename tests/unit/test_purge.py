@@ -30,7 +30,7 @@ OTHER = 'version = "3.0"\nmodules = ["other_mod"]\n[build]\ncontext = "/src"\n'
 class Pod(FakePodman):
     """FakePodman whose "other" image ships other_mod."""
 
-    def extract(self, ref: str, path: str, dest: Path, patterns: Any = ()) -> list[Path]:
+    def extract(self, ref: str, path: str, dest: Path, patterns: Any = (), **kw: Any) -> list[Path]:
         if "kvcd-other-" not in ref:
             return super().extract(ref, path, dest, patterns)
         dest.mkdir(parents=True)

@@ -1,0 +1,51 @@
+"""The labels kvcd puts on a driver image it builds, and whether a cached image under an
+instance's tag is that instance's build of the inputs the config names now."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from kvcd.config.model import InstanceConfig
+
+
+def _inputs(cfg: InstanceConfig, kernel: str) -> str:
+    """A digest of what the build is made from, as the config says it (a local context's
+    files are not read: a change there needs a new version, as the README says)."""
+    build = cfg.build
+    parts = {
+        "instance": cfg.name,
+        "variant": cfg.variant or "",
+        "version": cfg.version,
+        "kernel": kernel,
+        "context": build.context if build else "",
+        "containerfile": build.containerfile if build else "",
+        "args": sorted(build.args) if build else [],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def labels(cfg: InstanceConfig, kernel: str) -> dict[str, str]:
+    return {
+        "io.kvcd.instance": cfg.name,
+        "io.kvcd.version": cfg.version,
+        "io.kvcd.kernel": kernel,
+        "io.kvcd.inputs": _inputs(cfg, kernel),
+    }
+
+
+def not_ours(cfg: InstanceConfig, kernel: str, image_labels: Mapping[str, str]) -> str | None:
+    """Why an image kvcd built under this tag is not this instance's build of these inputs
+    (None: it is, or it carries no kvcd labels: pulled, or built by an older kvcd)."""
+    if "io.kvcd.instance" not in image_labels:
+        return None
+    want = labels(cfg, kernel)
+    if "io.kvcd.inputs" not in image_labels:  # built before kvcd labelled its inputs
+        want.pop("io.kvcd.inputs")
+    wrong = [
+        f"{k.removeprefix('io.kvcd.')} {image_labels.get(k)!r}"
+        for k in want
+        if image_labels.get(k) != want[k]
+    ]
+    return f"for {', '.join(wrong)}" if wrong else None
