@@ -5,7 +5,8 @@
 #
 # Compiles against /usr/src/linux-headers-KVER (override with KVCD_KDIR=DIR) in a scratch copy
 # of tests/kmods, so nothing is written to the source tree, then puts kvcd_base.ko,
-# kvcd_user.ko, kvcd_bad.ko and the Module.symvers of base+user into OUTDIR.
+# kvcd_user.ko, kvcd_bad.ko and the Module.symvers of base+user into OUTDIR, and kvcd_fw.ko
+# (it asks for a firmware file at load: the firmware scenario) into OUTDIR/fw/.
 # KMODVER (default 1.0) becomes MODULE_VERSION of every module.
 # KVCD_FLEET=N (default 0) also builds N copies of kvcd_fleet.c named kvcd_f01 ... into
 # OUTDIR/fleet/: one module per instance for the many-instances scenario.
@@ -51,7 +52,7 @@ build() { # DIR MODULES [make args...]
 	make -s -C "$kdir" M="$dir" KMODVER="$kmodver" KVCD_KMODS="$mods" -j"$jobs" "$@" modules
 }
 
-build "$scratch/good" "kvcd_base kvcd_user"
+build "$scratch/good" "kvcd_base kvcd_user kvcd_fw"
 build "$scratch/bad" "kvcd_bad" KBUILD_MODPOST_WARN=1 2>"$scratch/bad.log" || {
 	cat "$scratch/bad.log" >&2
 	exit 1
@@ -66,6 +67,7 @@ fi
 mkdir -p "$outdir"
 install -m 0644 "$scratch/good/kvcd_base.ko" "$scratch/good/kvcd_user.ko" \
 	"$scratch/good/Module.symvers" "$scratch/bad/kvcd_bad.ko" "$outdir"/
+install -D -m 0644 -t "$outdir/fw" "$scratch/good/kvcd_fw.ko"
 
 if [ "$fleet" -gt 0 ]; then
 	names=$(seq -f 'kvcd_f%02g' 1 "$fleet" | tr '\n' ' ')

@@ -14,7 +14,6 @@ from typing import Any
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
-from kvcd.daemon import firmware
 from kvcd.daemon.record import Record, boot_id, known_names, unsaved
 from kvcd.host import files, intree, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
@@ -188,7 +187,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     prefix = settings.annotation_prefix
     importer = _remembered(pylibs.locate)
     may_exist = _runtime_files(root)
-    firmware_of = firmware.status(root) if names else (lambda _n: None)
+    firmware_of = _firmware(root) if names else (lambda _n: None)
     out = []
     for name in names:
         try:
@@ -248,6 +247,15 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         entry["capabilities"] = capabilities(root, name, settings, running, importer)
         out.append(entry)
     return out
+
+
+def _firmware(root: HostRoot) -> Callable[[str], dict[str, Any] | None]:
+    """Each instance's firmware files; the module only when there is an owners table (#20)."""
+    if not os.path.lexists(root.firmware_owners):
+        return lambda _name: None
+    from kvcd.daemon import firmware
+
+    return firmware.status(root)
 
 
 def _replaced(
@@ -420,6 +428,8 @@ def render(entries: list[dict[str, Any]]) -> str:
             gone = ", ".join(in_tree.get("removed") or []) or "none"
             lines.append(f"  in-tree modules kept out: {kept}; unloaded by kvcd: {gone}")
         if e.get("firmware"):
+            from kvcd.daemon import firmware
+
             lines.append(f"  {firmware.render(e['firmware'])}")
         for key, cap in (e.get("capabilities") or {}).items():
             lines.append(f"  {render_capability(key, cap)}")
