@@ -127,8 +127,37 @@ def _find_instance(doc: Any, instance: str) -> dict[str, Any] | None:
     return None
 
 
+def recorded(instance: str = INSTANCE) -> dict[str, Any] | None:
+    """The instance's record as kvcd wrote it in its state directory: a cheap "not yet" while
+    waiting (`kvcd status` costs seconds under TCG, and the poll slows what it waits for).
+    None when the record cannot tell: there is none, it does not parse, or kvcd keeps the
+    newer one in /run while /var refuses writes (then only `kvcd status` knows)."""
+    if Path(f"/run/kvcd/{instance}.unsaved.json").exists():
+        return None
+    try:
+        data = json.loads(Path(f"/var/lib/kvcd/instances/{instance}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def not_yet(instance: str = INSTANCE, **want: Any) -> bool:
+    """The record says the instance is not there yet: some field differs from `want` (a tuple
+    means any of these values). Only then is `kvcd status` not asked."""
+    rec = recorded(instance)
+    if rec is None:
+        return False
+    for key, value in want.items():
+        values = value if isinstance(value, tuple) else (value,)
+        if rec.get(key) not in values:
+            return True
+    return False
+
+
 def state_is(*states: str, instance: str = INSTANCE) -> Callable[[], dict[str, Any] | None]:
     def pred() -> dict[str, Any] | None:
+        if not_yet(instance, state=states):
+            return None
         st = kvcd_status(instance)
         return st if st and st.get("state") in states else None
 

@@ -29,7 +29,9 @@ import pytest
 from kvcdguest import (
     BUILD_TIMEOUT,
     DRIVER_DIR,
+    containerfile,
     core_instance_aside,
+    not_yet,
     proc_modules,
     sh,
     wait_for,
@@ -52,18 +54,14 @@ def status(instance: str) -> dict[str, Any] | None:
 
 def settled(instance: str, *states: str, reason_has: str = "") -> Any:
     def pred() -> dict[str, Any] | None:
+        if not_yet(instance, state=states):
+            return None
         st = status(instance)
         if st and st.get("state") in states and reason_has in (st.get("reason") or ""):
             return st
         return None
 
     return pred
-
-
-def containerfile() -> str:
-    if (DRIVER_DIR / "prebuilt" / "1.0" / "kvcd_base.ko").exists():
-        return "Containerfile.prebuilt"
-    return "Containerfile"
 
 
 def write_instance(name: str, text: str) -> Path:
@@ -82,7 +80,7 @@ def base_instance(requires: list[str], extra: str = "") -> str:
         f"{extra}"
         "[build]\n"
         f'context = "{DRIVER_DIR}"\n'
-        f'containerfile = "{containerfile()}"\n'
+        f'containerfile = "{containerfile("1.0")}"\n'
     )
 
 

@@ -51,6 +51,7 @@ from kvcdguest import (
     containerfile,
     kvcd_status,
     module_version,
+    not_yet,
     proc_modules,
     record_timing,
     set_instance,
@@ -108,6 +109,8 @@ def done_at(version: str, timeout: float, what: str) -> dict[str, Any]:
     """Done, loaded, at `version` (the record and the live modules)."""
 
     def pred() -> dict[str, Any] | None:
+        if not_yet(state="Done", goal="loaded", version=version):
+            return None
         st = kvcd_status()
         ok = st and (st.get("state"), st.get("goal"), st.get("version")) == (
             "Done",
@@ -206,7 +209,7 @@ def test_f2_registry_unreachable_and_back() -> None:
             "-t",
             ref,
             "-f",
-            "Containerfile.prebuilt",
+            "Containerfile.pull",
             "--build-arg",
             f"KVER={KVER}",
             "--build-arg",

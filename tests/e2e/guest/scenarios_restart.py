@@ -117,7 +117,7 @@ def left_behind(point: str) -> str:
 
 def converge(point: str, trigger: str, t0: float, start_again: bool = False) -> dict[str, Any]:
     left = left_behind(point)
-    disarm()
+    disarm(reload=False)
     if start_again:  # a stop was interrupted: the admin's next start
         sh(["systemctl", "start", UNIT], check=False, timeout=BUILD_TIMEOUT)
     try:
