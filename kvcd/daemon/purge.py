@@ -11,7 +11,8 @@ In order, stopping at the first refusal so that nothing is half-removed:
    record, drift expectations, runtime files and metrics, and the damaged copies of them kvcd
    set aside;
 5. its node annotations (`<prefix>/<stem>.*`; a drain claim withdrawn recomputes the node-wide
-   request); the label an admin set for it (ordered upgrade) stays;
+   request, a failed next kernel withdrawn the OS-update gate); the label an admin set for it
+   (ordered upgrade) stays;
 6. its driver images (labelled `io.kvcd.instance=NAME`).
 
 The admin's configuration (/etc/kvcd/instances/NAME.toml, /etc/kvc/NAME.conf) stays. A purge
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, Settings
 from kvcd.core import drain as hs
+from kvcd.core import upgradegate
 from kvcd.core.state import StepFailed
 from kvcd.daemon import driftstore, metrics
 from kvcd.daemon.observe import host_for
@@ -152,15 +154,26 @@ def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
     own = f"{prefix}/{stem(name)}."
     drain_key = Keys(prefix, name).drain_request
 
+    def after(view: NodeView) -> dict[str, str]:
+        return {k: v for k, v in view.annotations.items() if not k.startswith(own)}
+
     def change(view: NodeView) -> dict[str, str | None]:
         patch: dict[str, str | None] = {k: None for k in view.annotations if k.startswith(own)}
         if drain_key in view.annotations:
-            after = {k: v for k, v in view.annotations.items() if k != drain_key}
-            patch[f"{prefix}/drain"] = hs.node_value(after, prefix)
+            patch[f"{prefix}/drain"] = hs.node_value(after(view), prefix)
+        if f"{prefix}/{upgradegate.GATE_REASON}" in view.annotations:  # its failure may go
+            patch[f"{prefix}/{upgradegate.GATE_REASON}"] = upgradegate.node_keys(
+                after(view), prefix
+            )[1]
         return patch
 
+    def labels(view: NodeView) -> dict[str, str | None]:
+        if f"{prefix}/{upgradegate.GATE}" not in view.labels:
+            return {}
+        return {f"{prefix}/{upgradegate.GATE}": upgradegate.node_keys(after(view), prefix)[0]}
+
     try:
-        open_backend(root, settings, os.environ).update(change)
+        open_backend(root, settings, os.environ).update(change, labels)
     except Unavailable as exc:
         return str(exc)
     return None

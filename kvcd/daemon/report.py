@@ -7,7 +7,9 @@ only forwards; every decision happens on the main thread in verdict/after.
 
 `Reporter` is the extension whose after-hook runs last and publishes the instance's record as
 node annotations (`<p>/<stem>.state|reason|version|kernel|next-kernel|boot-id`, plus keys other
-extensions queue in `link.extra`, e.g. `.ready`), and a node Event on each state change. When
+extensions queue in `link.extra`, e.g. `.ready`), the node-wide OS-update gate when its
+next-kernel value changes (label `<p>/upgradeable`, annotation `<p>/upgradeable-reason`), and a
+node Event on each state change. When
 the node cannot be reached it keeps everything as it is and retries on a timer: an instance never
 unloads because it cannot report.
 """
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
-from kvcd.core import nodeevents
+from kvcd.core import nodeevents, upgradegate
 from kvcd.daemon.events import Context, Event, Extension, Verdict
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
@@ -143,6 +145,7 @@ class Reporter(Extension):
         self._timer: threading.Timer | None = None
         self._attempt = 0
         self._since: float | None = None  # when the node became unreachable (None: it is not)
+        self._gated: tuple[str | None] | None = None  # the next-kernel value the gate last saw
 
     def start(self, ctx: Context) -> None:
         self._ctx = ctx
@@ -184,6 +187,27 @@ class Reporter(Extension):
         self._timer.daemon = True
         self._timer.start()
 
+    def _gate(self, next_kernel: str | None) -> bool:
+        """The node-wide OS-update gate (kvcd/core/upgradegate.py), recomputed from the node's
+        annotations whenever this instance's next-kernel value changes; False: unreachable."""
+        if self._gated == (next_kernel,):
+            return True
+        writer = self.link.writer
+        assert writer is not None
+        prefix = self.link.prefix
+        label, reason = upgradegate.GATE, upgradegate.GATE_REASON
+
+        def annotations(view: NodeView) -> dict[str, str | None]:
+            return {f"{prefix}/{reason}": upgradegate.node_keys(view.annotations, prefix)[1]}
+
+        def labels(view: NodeView) -> dict[str, str | None]:
+            return {f"{prefix}/{label}": upgradegate.node_keys(view.annotations, prefix)[0]}
+
+        if not writer.update(annotations, labels):
+            return False
+        self._gated = (next_kernel,)
+        return True
+
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         writer = self.link.writer
         if writer is None:
@@ -192,6 +216,10 @@ class Reporter(Extension):
         patch = node_patch(keys, record)
         patch.update(self.link.extra)
         if not writer.write(patch):
+            self._unreachable(ctx, writer.failing or "unavailable")
+            self._retry_later(ctx)
+            return None
+        if not self._gate(patch[keys.of("next-kernel")]):
             self._unreachable(ctx, writer.failing or "unavailable")
             self._retry_later(ctx)
             return None

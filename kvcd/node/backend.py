@@ -52,8 +52,13 @@ class Backend(ABC):
     def read(self) -> NodeView: ...
 
     @abstractmethod
-    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
-        """Read the node fresh, compute the annotation patch from it, write it if it changes
+    def update(
+        self,
+        change: Callable[[NodeView], Patch],
+        labels: Callable[[NodeView], Patch] | None = None,
+    ) -> NodeView:
+        """Read the node fresh, compute the annotation patch (and the label patch, when given:
+        only kvcd's own labels, e.g. the OS-update gate) from it, write them if they change
         anything, atomically (retrying on a concurrent write); return the node as written."""
 
     def watch(self, on_change: Callable[[NodeView], None]) -> None:  # noqa: B027
@@ -139,11 +144,15 @@ class NodeWriter:
             self._written.update(wanted)
         return True
 
-    def update(self, change: Callable[[NodeView], Patch]) -> bool:
+    def update(
+        self,
+        change: Callable[[NodeView], Patch],
+        labels: Callable[[NodeView], Patch] | None = None,
+    ) -> bool:
         """Read-compute-write through the backend (see Backend.update); False if unreachable."""
         with self._lock:
             try:
-                view = self.backend.update(change)
+                view = self.backend.update(change, labels)
             except Unavailable as exc:
                 self._failed_locked(exc)
                 return False

@@ -117,20 +117,28 @@ class FileBackend(Backend):
         return self._view(self._load())
 
     # --- writing -------------------------------------------------------------------------------
-    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
-        return self.edit(annotations=change)
+    def update(
+        self,
+        change: Callable[[NodeView], Patch],
+        labels: Callable[[NodeView], Patch] | None = None,
+    ) -> NodeView:
+        # The daemon's own labels (the OS-update gate) are not the admin's: they do not make a
+        # node file that was set aside count as labelled again.
+        return self.edit(annotations=change, labels=labels, by_admin=False)
 
     def edit(
         self,
         *,
         labels: Callable[[NodeView], Patch] | None = None,
         annotations: Callable[[NodeView], Patch] | None = None,
+        by_admin: bool = True,
     ) -> NodeView:
         """Atomic read-modify-write of labels and/or annotations under the node lock. Writes
-        nothing when nothing changes."""
+        nothing when nothing changes. `by_admin`: labels set with `kvcd label`."""
         try:
             with files.locked(self.lock):
-                data = self._load(holding_lock=True, new_labels=labels is not None)
+                new_labels = by_admin and labels is not None
+                data = self._load(holding_lock=True, new_labels=new_labels)
                 view = self._view(data)
                 dirty = False
                 for part, change in (("labels", labels), ("annotations", annotations)):

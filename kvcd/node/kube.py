@@ -152,14 +152,24 @@ class KubeBackend(Backend):
         )
         return self._view(obj)
 
-    def update(self, change: Callable[[NodeView], Patch]) -> NodeView:
+    def update(
+        self,
+        change: Callable[[NodeView], Patch],
+        labels: Callable[[NodeView], Patch] | None = None,
+    ) -> NodeView:
         api = self.api()
         for _ in range(self.attempts):
             view = self.read()
             patch = changes(view.annotations, change(view))
-            if not patch:
+            label_patch = changes(view.labels, labels(view)) if labels is not None else {}
+            if not patch and not label_patch:
                 return view
-            body = {"metadata": {"resourceVersion": view.version, "annotations": patch}}
+            meta: dict[str, object] = {"resourceVersion": view.version}
+            if patch:
+                meta["annotations"] = patch
+            if label_patch:
+                meta["labels"] = label_patch
+            body = {"metadata": meta}
             obj = self._call(
                 f"PATCH node {self.name}",
                 lambda body=body: api.patch_node(  # type: ignore[misc]

@@ -124,11 +124,11 @@ class CountingBackend(FileBackend):
         self.updates = 0
         self.down = False
 
-    def update(self, change):  # type: ignore[no-untyped-def]
+    def update(self, change, labels=None):  # type: ignore[no-untyped-def]
         self.updates += 1
         if self.down:
             raise Unavailable("down")
-        return super().update(change)
+        return super().update(change, labels)
 
 
 def test_writer_skips_repeats_and_retries_after_failure(root: HostRoot) -> None:

@@ -171,10 +171,10 @@ def test_an_unreachable_node_is_shown_in_status_until_it_is_written_again(
     down = {"on": True}
     real = FileBackend.update
 
-    def update(self: FileBackend, change: Any) -> Any:
+    def update(self: FileBackend, change: Any, labels: Any = None) -> Any:
         if down["on"]:
             raise Unavailable("cannot write /var/lib/kvcd/node.json: Read-only file system")
-        return real(self, change)
+        return real(self, change, labels)
 
     monkeypatch.setattr(FileBackend, "update", update)
     link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
