@@ -222,6 +222,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "sign_key": rules.valid_abs_path,
         "sign_cert": rules.valid_abs_path,
         "sign_hash": lambda v, k: rules.valid_choice(v, k, rules.SIGN_HASHES),
+        "inhibit_reboot": rules.valid_bool,
     }
     for key, rule in table.items():
         if key in data:

@@ -184,6 +184,9 @@ class Settings:
     sign_key: str = ""
     sign_cert: str = ""
     sign_hash: str = "sha256"
+    # OS-update gate (issue #18): hold a systemd shutdown inhibitor (block) while an instance
+    # failed to prepare for the kernel the node boots next (kvcd/host/inhibit.py).
+    inhibit_reboot: bool = False
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")

@@ -88,6 +88,7 @@ SETTINGS_KEYS = (
     "sign_key",
     "sign_cert",
     "sign_hash",
+    "inhibit_reboot",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")
@@ -410,6 +411,12 @@ def valid_directory(value: object, label: str) -> str:
     if path and (path != posixpath.normpath(path) or path == "/"):
         raise Invalid(f"'{label}' must be a normalized directory path, got {show(value)}")
     return path
+
+
+def valid_bool(value: object, label: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise Invalid(f"'{label}' must be true or false, got {show(value)}")
 
 
 def valid_seconds(value: object, label: str) -> float:

@@ -32,6 +32,7 @@ from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, writing
 from kvcd.host import bootloader, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
+from kvcd.host.inhibit import InhibitError, Inhibitor
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -113,8 +114,11 @@ class NextKernel(Extension):
         detector: Callable[[HostRoot], NextBoot] = detect,
         podman: Callable[[], Podman] | None = None,
         watch: Callable[[Sequence[Path], Callable[[Path], None]], DirWatch] | None = None,
+        inhibitor: Inhibitor | None = None,
     ) -> None:
         self.settings = settings
+        # inhibit_reboot: a shutdown inhibitor held while the next kernel failed.
+        self.inhibitor = inhibitor or (Inhibitor() if settings.inhibit_reboot else None)
         self.detector = detector
         self.podman = podman or _default_podman(settings)
         self.watch_factory = watch
@@ -168,6 +172,8 @@ class NextKernel(Extension):
         if self.watcher is not None:
             self.watcher.stop()
             self.watcher = None
+        if self.inhibitor is not None:
+            self.inhibitor.release()
 
     def interval(self) -> float | None:
         return FALLBACK_INTERVAL if self.watch_failed else None
@@ -226,8 +232,31 @@ class NextKernel(Extension):
         self.outcome = self.refresh(ctx, record)
         self.collect(ctx)
         self.write(ctx, record, self.outcome)
+        self.hold_reboot(ctx, self.outcome)
         if self.outcome != before:
             ctx.post(Event(SOURCE, f"next kernel {self.outcome.kernel or 'none'}"))
+
+    def hold_reboot(self, ctx: Context, outcome: Outcome) -> None:
+        """inhibit_reboot: hold the reboot while the next kernel failed, let go otherwise."""
+        if self.inhibitor is None:
+            return
+        fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name, "KVCD_NEXT_KERNEL": outcome.kernel}
+        if outcome.state != FAILED:
+            if self.inhibitor.release():
+                log.info("reboot no longer held: next kernel %s", outcome.state, extra=fields)
+            return
+        why = f"kvcd@{ctx.name} is not ready for kernel {outcome.kernel}: {outcome.reason}"
+        try:
+            if self.inhibitor.hold(why):
+                log.warning(
+                    "reboot held by a shutdown inhibitor until %s is ready for %s "
+                    "(systemd-inhibit --list; override: systemctl reboot --check-inhibitors=no)",
+                    ctx.name,
+                    outcome.kernel,
+                    extra=fields,
+                )
+        except InhibitError as exc:
+            log.error("cannot hold the reboot into %s: %s", outcome.kernel, exc, extra=fields)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         """The record the other hooks see (and the node gets) carries the last outcome."""

@@ -73,6 +73,9 @@ REQUIRED: tuple[Requirement, ...] = (
 )
 NODE_KUBERNETES = Requirement("node backend kubernetes", (KUBERNETES,))
 RPMOSTREE_DBUS = Requirement("rpm-ostree D-Bus", (PYDBUS, PYGOBJECT))
+# The shutdown inhibitor speaks to logind with GLib's own D-Bus (Gio): the lock is a file
+# descriptor, which pydbus does not hand back.
+LOGIND_DBUS = Requirement("shutdown inhibitor (logind D-Bus)", (PYGOBJECT,))
 
 
 class Missing(Exception):
@@ -211,6 +214,10 @@ def settings_problems(
         text = setting_problem('node_backend = "kubernetes"', NODE_KUBERNETES, importer)
         if text is not None:
             out.append(("node_backend", text))
+    if settings.inhibit_reboot:
+        text = setting_problem("inhibit_reboot = true", LOGIND_DBUS, importer)
+        if text is not None:
+            out.append(("inhibit_reboot", text))
     return out
 
 

@@ -658,3 +658,112 @@ def test_clean_up_in_the_system_tree_never_removes_a_lib_modules_directory(
     assert removed == [f"{gone} (kernel {C} not installed)"]
     assert not (host.system_modules(C) / "extra" / NAME).exists()
     assert (host.system_modules(C) / "extra" / "dkms-leftover.ko").is_file()
+
+
+class RecordingInhibitor:
+    """The Inhibitor's interface, recording (D-Bus: tests/integration/test_inhibit_dbus.py)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[str] = []
+        self.why = ""
+        self.fail = fail
+
+    def hold(self, why: str) -> bool:
+        from kvcd.host.inhibit import InhibitError
+
+        if self.fail:
+            raise InhibitError("logind refused or could not be reached: no such name")
+        new = why != self.why
+        self.why = why
+        self.calls.append(f"hold {why}")
+        return new
+
+    def release(self) -> bool:
+        held, self.why = bool(self.why), ""
+        if held:
+            self.calls.append("release")
+        return held
+
+
+HOLD = [
+    (
+        "failed: held, with the reason logind shows",
+        [Outcome(B, FAILED, "BuildFailed: make exited 2")],
+        [f"hold kvcd@e2e is not ready for kernel {B}: BuildFailed: make exited 2"],
+    ),
+    (
+        "failed, then ready: held, then released",
+        [Outcome(B, FAILED, "BuildFailed"), Outcome(B, READY, "built")],
+        [f"hold kvcd@e2e is not ready for kernel {B}: BuildFailed", "release"],
+    ),
+    ("ready, or no next kernel: nothing held", [Outcome(B, READY, "built"), NONE], []),
+    (
+        "failed again with another reason: held with the new one",
+        [Outcome(B, FAILED, "BuildFailed"), Outcome(B, FAILED, "kABI")],
+        [
+            f"hold kvcd@e2e is not ready for kernel {B}: BuildFailed",
+            f"hold kvcd@e2e is not ready for kernel {B}: kABI",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("why", "outcomes", "calls"), HOLD, ids=[h[0] for h in HOLD])
+def test_inhibit_reboot_holds_while_the_next_kernel_failed(
+    host: HostRoot, why: str, outcomes: list[Outcome], calls: list[str]
+) -> None:
+    inh = RecordingInhibitor()
+    ext = NextKernel(Settings(inhibit_reboot=True), inhibitor=inh)  # type: ignore[arg-type]
+    ctx = Context(host, NAME, A, Settings(), config(host), lambda _e: None)
+    for outcome in outcomes:
+        ext.hold_reboot(ctx, outcome)
+    assert inh.calls == calls
+    ext.stop()
+    assert not inh.why  # a stopping daemon holds nothing
+
+
+def test_an_inhibitor_logind_refuses_is_said_and_the_instance_goes_on(
+    host: HostRoot, caplog: pytest.LogCaptureFixture
+) -> None:
+    ext = NextKernel(Settings(inhibit_reboot=True), inhibitor=RecordingInhibitor(fail=True))  # type: ignore[arg-type]
+    ctx = Context(host, NAME, A, Settings(), config(host), lambda _e: None)
+    with caplog.at_level(logging.ERROR):
+        ext.hold_reboot(ctx, Outcome(B, FAILED, "BuildFailed"))
+    assert f"cannot hold the reboot into {B}: logind refused" in caplog.text
+
+
+def test_without_inhibit_reboot_no_inhibitor_exists() -> None:
+    assert NextKernel(Settings()).inhibitor is None
+    assert NextKernel(Settings(inhibit_reboot=True)).inhibitor is not None
+
+
+# --- `kvcd prepare` (what the kernel-install plugin runs) ----------------------------------------
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["ready", "build-failed"])
+def test_prepare_command_readies_every_instance_or_says_which_is_not(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fail: bool
+) -> None:
+    fakehost.write_config(
+        host,
+        NAME,
+        'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\n'
+        'kabi = "rebuild"\n[build]\ncontext = "/src"\n',
+    )
+    pod = FakePodman(host, B)
+    pod.fail_build = fail
+    monkeypatch.setattr("kvcd.daemon.record.running_kernel", lambda _root: A)
+    assert ahead.prepare_command(host, None, B, podman=lambda: pod) == (1 if fail else 0)
+    out, err = capsys.readouterr()
+    if fail:
+        assert out == "" and err.startswith(f"kvcd: {NAME}: not ready for {B}: BuildFailed: ")
+        assert not store.tree(host, NAME, "1.0", B).exists()
+    else:
+        assert out == f"{NAME}: ready for {B}: built for {B} (kabi = rebuild)\n" and err == ""
+        assert modtree.active_store(host, B, NAME) == store.tree(host, NAME, "1.0", B)
+    # The running kernel is its daemon's: nothing is built for it here.
+    assert ahead.prepare_command(host, NAME, A, podman=lambda: pod) == 0
+    assert (
+        capsys.readouterr().out
+        == f"{NAME}: ready for {A}: the running kernel: its daemon loads it\n"
+    )

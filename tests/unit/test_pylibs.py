@@ -15,6 +15,7 @@ import pytest
 
 from kvcd.cli import main
 from kvcd.config.loader import parse_settings_toml
+from kvcd.config.model import ConfigError
 from kvcd.core import state
 from kvcd.daemon import status
 from kvcd.daemon.record import Record
@@ -140,6 +141,22 @@ def test_only_the_kubernetes_backend_needs_the_kubernetes_client() -> None:
     assert [k for k, _ in pylibs.settings_problems(kube, without("kubernetes"))] == ["node_backend"]
     assert pylibs.settings_problems(fileb, without("kubernetes")) == []
     assert pylibs.settings_problems(kube, without("pydbus")) == []
+
+
+def test_inhibit_reboot_needs_pygobject_and_says_where_it_is_set() -> None:
+    on = parse_settings_toml("/k.toml", "inhibit_reboot = true\n")
+    assert on.inhibit_reboot is True
+    [(key, text)] = pylibs.settings_problems(on, without("gi.repository.GLib"))
+    assert key == "inhibit_reboot"
+    assert text.startswith(
+        "inhibit_reboot = true needs the Python package 'PyGObject' (RPM python3-gobject): "
+    )
+    assert pylibs.settings_problems(on, without()) == []
+    off = parse_settings_toml("/k.toml", "inhibit_reboot = false\n")
+    assert pylibs.settings_problems(off, without("gi.repository.GLib")) == []
+    with pytest.raises(ConfigError) as exc:
+        parse_settings_toml("/k.toml", 'inhibit_reboot = "yes"\n')
+    assert str(exc.value) == "/k.toml:1: 'inhibit_reboot' must be true or false, got \"yes\""
 
 
 # --- check-config and run, with the module really gone from this interpreter ----------------
