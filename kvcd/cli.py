@@ -30,6 +30,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"kvcd: error: {message}\n")
 
 
+_PURGE = "stop, unload and remove everything kvcd keeps for an instance"
+_PREPARE = "make instances ready for a kernel before it boots (the kernel-install plugin)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvcd", description="Deliver out-of-tree kernel modules through driver containers."
@@ -102,12 +106,15 @@ def _parser() -> argparse.ArgumentParser:
             verb, help=f"set (KEY=VALUE) or remove (KEY-) node {what} in the node file"
         )
         nv.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
-    pg = sub.add_parser(
-        "purge", help="stop, unload and remove everything kvcd keeps for an instance"
-    )
-    pgg = pg.add_mutually_exclusive_group(required=True)
-    pgg.add_argument("instance", metavar="NAME", nargs="?")
-    pgg.add_argument("--all", action="store_true", help="every configured or recorded instance")
+    for verb, what, helptext in (
+        ("purge", "every configured or recorded instance", _PURGE),
+        ("prepare", "every configured instance", _PREPARE),
+    ):
+        vp = sub.add_parser(verb, help=helptext)
+        group = vp.add_mutually_exclusive_group(required=True)
+        group.add_argument("instance", metavar="NAME", nargs="?")
+        group.add_argument("--all", action="store_true", help=what)
+    vp.add_argument("--kernel", metavar="KVER", required=True, help="the kernel release")
     mt = sub.add_parser("metrics", help="every instance's metrics (or one's), Prometheus text")
     mt.add_argument("instance", metavar="NAME", nargs="?")
     mt.add_argument(
@@ -180,6 +187,10 @@ def _verb(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.purge import purge_command
 
         return purge_command(root, args.instance, args.all)
+    if args.verb == "prepare":
+        from kvcd.daemon.ahead import prepare_command
+
+        return prepare_command(root, None if args.all else args.instance, args.kernel)
     if args.verb == "metrics":
         from kvcd.daemon.metrics import metrics_command
 

@@ -265,3 +265,45 @@ def prepare(
         except (kmod.KmodError, OSError) as exc:
             return Outcome(kernel, FAILED, f"{exc} ({why_not_weak})")
     return Outcome(kernel, READY, f"{reason} ({why_not_weak})")
+
+
+def prepare_command(
+    root: HostRoot, name: str | None, kernel: str, podman: Callable[[], Podman] | None = None
+) -> int:
+    """`kvcd prepare (NAME | --all) --kernel KVER`: each instance made ready for KVER now (what
+    its daemon does when KVER becomes the next kernel; the kernel-install plugin runs it while a
+    kernel package is installed). One line per instance; exit 0 when all are ready, 1 when one
+    is not (its reason on stderr), 2 for a configuration that cannot be read."""
+    import sys
+
+    from kvcd.config.loader import list_instances, load_instance, load_settings
+    from kvcd.daemon.observe import host_for
+    from kvcd.daemon.record import running_kernel
+    from kvcd.daemon.variants import resolve_variant
+
+    settings = load_settings(root)
+    root = host_for(root, settings)
+    running = running_kernel(root)
+    names = [name] if name is not None else list_instances(root)
+
+    def client() -> Podman:
+        from kvcd.host.podman import Podman
+
+        return Podman(settings.podman_socket)
+
+    status = 0
+    for n in names:
+        cfg, no_variant = resolve_variant(root, settings, load_instance(root, n), kernel)
+        if no_variant is not None:
+            outcome = Outcome(kernel, FAILED, f"{state.NO_VARIANT}: {no_variant}")
+        elif kernel == running:
+            outcome = Outcome(kernel, READY, "the running kernel: its daemon loads it")
+        else:
+            nb = NextBoot(kernel, "kvcd prepare", f"--kernel {kernel}")
+            outcome = prepare(root, settings, cfg, running, nb, podman or client)
+        if outcome.state == READY:
+            print(f"{n}: ready for {kernel}: {outcome.reason}")
+        else:
+            print(f"kvcd: {n}: not ready for {kernel}: {outcome.reason}", file=sys.stderr)
+            status = 1
+    return status

@@ -201,6 +201,8 @@ def test_main_package_file_list_is_exact(built: Built) -> None:
         "/usr/bin/kvcd",
         "/usr/lib/systemd/system/kvcd@.service",
         "/usr/lib/systemd/system-generators/kvcd-generator",
+        "/usr/lib/kernel/install.d",
+        "/usr/lib/kernel/install.d/50-kvcd.install",
         "/usr/lib/tmpfiles.d/kvcd.conf",
         "/etc/kvcd",
         "/etc/kvcd/kvcd.toml",
@@ -226,6 +228,7 @@ def test_file_attributes(built: Built) -> None:
     assert a["/usr/bin/kvcd"][0] == "100755"
     assert a["/usr/lib/systemd/system/kvcd@.service"][0] == "100644"
     assert a["/usr/lib/systemd/system-generators/kvcd-generator"][0] == "100755"
+    assert a["/usr/lib/kernel/install.d/50-kvcd.install"][0] == "100755"
 
 
 def test_payload_is_the_tree(built: Built, tmp_path: Path) -> None:
@@ -235,6 +238,7 @@ def test_payload_is_the_tree(built: Built, tmp_path: Path) -> None:
         ("/usr/lib/kvcd/kvcd.toml", "config/kvcd.toml"),
         ("/usr/lib/tmpfiles.d/kvcd.conf", "packaging/kvcd.tmpfiles"),
         ("/usr/lib/systemd/system-generators/kvcd-generator", "systemd/kvcd-generator"),
+        ("/usr/lib/kernel/install.d/50-kvcd.install", "packaging/kernel-install/50-kvcd.install"),
     ):
         assert payload(built.main, path, tmp_path) == (REPO / source).read_bytes(), path
     script = payload(built.main, "/usr/bin/kvcd", tmp_path).decode()
