@@ -208,7 +208,9 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
                 "refcnt": lm.refcnt if lm else 0,
                 "holders": list(lm.holders) if lm else [],
             }
-            if lm is not None and lm.refcnt > 0:  # who has its device nodes open (psutil)
+            if lm is not None and lm.refcnt > len(lm.holders):
+                # References no module explains: who has its device nodes open. (A scan of
+                # every device and process: not for a module its own users account for.)
                 live[mod]["processes"] = _processes(root, mod)
             if lm is not None:
                 live[mod]["taint"] = (

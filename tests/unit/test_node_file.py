@@ -315,3 +315,26 @@ def test_status_shows_hashed_node_keys_and_open_processes(
     assert out.count("node keys:") == 1  # "short" fits as it is
     assert cli.main(["--root", str(root.root), "status", "short", "--json"]) == 0
     assert '"node_keys": "kvcd.io/short.*"' in capsys.readouterr().out
+
+
+def test_status_does_not_scan_processes_for_references_modules_explain(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvcd_base held once, by kvcd_user: no device or process scan (#20: in a slow guest it
+    was most of `kvcd status`); one reference more and the scan says who."""
+    from kvcd.host import procs
+
+    Record("e2e", "Done", modules=["kvcd_base"]).write(root)
+    mod = root("/sys/module/kvcd_base")
+    (mod / "holders" / "kvcd_user").mkdir(parents=True)
+    (mod / "refcnt").write_text("1\n")
+    scanned: list[str] = []
+    monkeypatch.setattr(procs, "module_devices", lambda _r, m: scanned.append(m) or {})
+    assert cli.main(["--root", str(root.root), "status"]) == 0
+    assert (
+        scanned == []
+        and "kvcd_base: loaded (refcnt 1, held by kvcd_user)" in capsys.readouterr().out
+    )
+    (mod / "refcnt").write_text("2\n")
+    cli.main(["--root", str(root.root), "status"])
+    assert scanned == ["kvcd_base"]
