@@ -171,7 +171,7 @@ fi
 # KVC way. Only when this host has the guest kernel's headers: otherwise the scenarios build
 # from source (slower, same result).
 # Layout: prebuilt/<kernel>/<KMODVER>/ (Containerfile.prebuilt), for the guest kernel and the
-# second one (the next-kernel scenario); prebuilt/<guest kernel>/1.0/fleet/ (Containerfile.fleet);
+# second one (the next-kernel scenario); prebuilt/<guest kernel>/fleet/ (Containerfile.fleet);
 # prebuilt/<kernel>/fw/kvcd_fw.ko (scenarios_firmware.py).
 for k in $KVER $KVER2; do
     if [ -f "/usr/src/linux-headers-$k/Makefile" ]; then
@@ -183,14 +183,18 @@ for k in $KVER $KVER2; do
                 >>"$OUT/prebuilt.log" 2>&1 ||
                 step_failed "$OUT/prebuilt.log" "compiling the test modules for $k failed"
             rm -f "$P/driver/prebuilt/$k/$v/Module.symvers"
-            # kvcd_fw (scenarios_firmware.py) lives apart: in a version directory it would be in
-            # every e2e image built from it, and in the module tree under two instances.
-            if [ "$v" = 1.0 ]; then
-                rm -rf "$P/driver/prebuilt/$k/fw"
-                mv "$P/driver/prebuilt/$k/$v/fw" "$P/driver/prebuilt/$k/fw"
-            else
-                rm -rf "$P/driver/prebuilt/$k/$v/fw"
-            fi
+            # kvcd_fw (scenarios_firmware.py) and the fleet's modules live apart: in a version
+            # directory they would be in every e2e image built from it (Containerfile.prebuilt),
+            # and in the module tree under two instances (a load refused as another's).
+            for extra in fw fleet; do
+                [ -d "$P/driver/prebuilt/$k/$v/$extra" ] || continue
+                if [ "$v" = 1.0 ]; then
+                    rm -rf "$P/driver/prebuilt/$k/$extra"
+                    mv "$P/driver/prebuilt/$k/$v/$extra" "$P/driver/prebuilt/$k/$extra"
+                else
+                    rm -rf "$P/driver/prebuilt/$k/$v/$extra"
+                fi
+            done
         done
         log "test modules compiled for $k; log: $(show "$OUT/prebuilt.log")"
     else

@@ -51,7 +51,7 @@ def prop(unit: str, key: str) -> str:
 
 
 def configure() -> None:
-    src = DRIVER_DIR / "prebuilt" / KVER / "1.0" / "fleet"
+    src = DRIVER_DIR / "prebuilt" / KVER / "fleet"
     missing = [m for m in FLEET if not (src / f"{m}.ko").exists()]
     assert not missing, f"run-guest.sh compiled no fleet modules into {src}: {missing}"
     shutil.rmtree(CONTEXT, ignore_errors=True)

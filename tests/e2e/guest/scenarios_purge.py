@@ -51,7 +51,7 @@ def annotations() -> dict[str, str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _instance() -> Iterator[None]:
-    src = DRIVER_DIR / "prebuilt" / KVER / "1.0" / "fleet" / f"{MOD}.ko"
+    src = DRIVER_DIR / "prebuilt" / KVER / "fleet" / f"{MOD}.ko"
     assert src.exists(), f"run-guest.sh compiled no {src}"
     shutil.rmtree(CONTEXT, ignore_errors=True)
     (CONTEXT / "fleet").mkdir(parents=True)
