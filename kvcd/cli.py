@@ -368,11 +368,13 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     from kvcd.core.state import StepFailed
     from kvcd.daemon.instance import Instance
     from kvcd.daemon.upgrade import check_upgrade_label
+    from kvcd.host import regauth
 
     root = node.root
     try:
         cfg = node.config(name)
         check_upgrade_label(cfg, settings)
+        regauth.check(root, cfg, settings)
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
         return False

@@ -223,6 +223,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "sign_cert": rules.valid_abs_path,
         "sign_hash": lambda v, k: rules.valid_choice(v, k, rules.SIGN_HASHES),
         "inhibit_reboot": rules.valid_bool,
+        "pull_secret": rules.valid_abs_path,
     }
     for key, rule in table.items():
         if key in data:

@@ -78,6 +78,11 @@ class InstanceConfig:
     build: BuildSource | None = None
     # A prebuilt image to pull first, with {kernel} and {version} placeholders.
     image: str | None = None
+    # Registry credentials for `image` (containers-auth.json(5)); "" = the node's pull_secret.
+    auth_file: str = ""
+    # Verify the registry's TLS certificate on pulls; false only for a registry the admin
+    # chose to trust without one (a lab).
+    tls_verify: bool = True
     # Where the module files sit inside the image; {kernel} is replaced.
     modules_path: str = "/lib/modules/{kernel}/"
     # Where firmware files sit inside the image (KMM's firmwarePath), {kernel} replaced; ""
@@ -184,6 +189,9 @@ class Settings:
     sign_key: str = ""
     sign_cert: str = ""
     sign_hash: str = "sha256"
+    # Registry credentials for every instance's pulls (containers-auth.json(5), e.g. the
+    # kubelet's /var/lib/kubelet/config.json); an instance's auth_file is asked first.
+    pull_secret: str = ""
     # OS-update gate (issue #18): hold a systemd shutdown inhibitor (block) while an instance
     # failed to prepare for the kernel the node boots next (kvcd/host/inhibit.py).
     inhibit_reboot: bool = False

@@ -89,6 +89,9 @@ class TomlInstance:
         for key, rule in (
             ("modules_path", rules.valid_modules_path),
             ("firmware_path", rules.valid_firmware_path),
+            ("auth_file", rules.valid_abs_path),
+            ("tls_verify", rules.valid_bool),
+            ("watch_config", rules.valid_bool),
         ):
             if key in data:
                 values[key] = self.check(rule, data[key], key)
@@ -115,13 +118,6 @@ class TomlInstance:
                     "kabi",
                 )
             values["kabi"] = value
-        if "watch_config" in data:
-            value = data["watch_config"]
-            if not isinstance(value, bool):
-                raise self.fail(
-                    f"'watch_config' must be true or false, got {rules.show(value)}", "watch_config"
-                )
-            values["watch_config"] = value
         if "on_external_unload" in data:
             values["on_external_unload"] = self.check(
                 rules.valid_external_unload, data["on_external_unload"], "on_external_unload"
@@ -130,6 +126,10 @@ class TomlInstance:
             values["wrapper_args"] = self.wrapper_args(data["wrapper_args"])
         if "build" in data:
             values["build"] = self.build_source(data["build"])
+        if values.get("auth_file") and "image" not in values and "variants" not in data:
+            raise self.fail(
+                "'auth_file' holds credentials for pulling 'image': set 'image'", "auth_file"
+            )
         if "build" not in values and "image" not in values and "variants" not in data:
             raise self.fail(
                 "needs a [build] table or an 'image' (or both): without either there is no "

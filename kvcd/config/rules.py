@@ -54,6 +54,8 @@ TOP_KEYS = (
     "version",
     "modules",
     "image",
+    "auth_file",
+    "tls_verify",
     "modules_path",
     "firmware_path",
     "unload_policy",
@@ -89,6 +91,7 @@ SETTINGS_KEYS = (
     "sign_cert",
     "sign_hash",
     "inhibit_reboot",
+    "pull_secret",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")

@@ -28,6 +28,7 @@ from kvcd.core.types import Desired
 from kvcd.daemon import firmware, imagelabels, metrics, signing, store
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
+from kvcd.host.regauth import AuthFileError, credentials, files_for
 from kvcd.host.run import CommandError
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ class Executor:
                 )
             if a.pull_ref:
                 try:
-                    self.podman.pull(a.pull_ref, a.tag)
+                    self._pull(a.pull_ref, a.tag)
                     log.info("pulled %s as %s", a.pull_ref, a.tag, extra=self.fields)
                     return
                 except PodmanError as exc:
@@ -331,6 +332,17 @@ class Executor:
             return
         for img in removed:
             log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
+
+    def _pull(self, ref: str, tag: str) -> None:
+        """Pull with the instance's (else the node's) registry credentials, if any has some."""
+        try:
+            creds = credentials(ref, files_for(self.cfg, self.settings))
+        except AuthFileError as exc:
+            raise StepFailed(state.PULL_FAILED, f"{ref}: credentials: {exc}") from exc
+        if creds is not None:
+            log.info("pulling %s with the credentials of %s", ref, creds.source, extra=self.fields)
+        auth, verify = (creds.header() if creds else None), self.cfg.tls_verify
+        self.podman.pull(ref, tag, auth=auth, tls_verify=verify)
 
     # -- module root and kernel ----------------------------------------------------------------
     def _activate(self, a: act.Activate, attempt: Attempt) -> None:

@@ -34,7 +34,7 @@ from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, procs, pylibs
+from kvcd.host import failpoint, files, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Keepalive, Notifier
 
@@ -151,6 +151,7 @@ class Service:
             root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
             check_upgrade_label(self.cfg, settings)
+            regauth.check(self.root, self.cfg, settings)
         except ConfigError as exc:
             self.config_invalid = True
             log.error(

@@ -172,16 +172,23 @@ class Podman:
 
     # --- pull, tag, build ---------------------------------------------------------------
 
-    def pull(self, ref: str, tag: str) -> ImageInfo:
-        """Pull ``ref`` with the service's own registries, auth and signature policy, then tag
-        it ``tag``."""
+    def pull(
+        self, ref: str, tag: str, *, auth: str | None = None, tls_verify: bool = True
+    ) -> ImageInfo:
+        """Pull ``ref`` with the service's registries and signature policy, then tag it
+        ``tag``. ``auth``: an X-Registry-Auth value (kvcd/host/regauth.py), else the service's
+        own credentials; ``tls_verify`` False only when the admin asked for it."""
         what = f"pull {ref}"
+        params = {"reference": ref}
+        if not tls_verify:
+            params["tlsVerify"] = "false"
         resp = self._call(
             "post",
             "/images/pull",
             what,
             stream=True,
-            params={"reference": ref},
+            params=params,
+            headers={"X-Registry-Auth": auth} if auth else None,
             timeout=(self.timeout, None),
         )
         try:

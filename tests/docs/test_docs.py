@@ -282,6 +282,12 @@ EXPECT: list[tuple[str, str, dict[str, Any]]] = [
     ("README.md", "/etc/kvcd/instances/ice.toml", {"in_tree_modules_to_remove": ("irdma", "ice")}),
     ("README.md", "/etc/kvcd/instances/nic.toml", {"version": "2.4", "unload_policy": "never"}),
     ("README.md", "/etc/kvcd/instances/qat.toml", {"firmware_path": "/firmware"}),
+    (
+        "README.md",
+        "/etc/kvcd/instances/gpu.toml",
+        {"auth_file": "/etc/kvcd/auth/gpu.json", "tls_verify": True},
+    ),
+    ("README.md", "/etc/kvcd/kvcd.toml", {"pull_secret": "/var/lib/kubelet/config.json"}),
 ]
 
 

@@ -44,8 +44,9 @@ class FakePodman:
         self._check()
         return self.images.get(ref)
 
-    def pull(self, ref: str, tag: str) -> ImageInfo:
+    def pull(self, ref: str, tag: str, **kw: Any) -> ImageInfo:
         self.calls.append(("pull", ref))
+        self.pulled_with = kw  # auth, tls_verify
         raise PodmanError(f"{ref}: not found")
 
     def build(self, spec: Any, on_line: Callable[[str], None]) -> ImageInfo:

@@ -361,6 +361,7 @@ class FakeAPI:
         self.path = path
         self.routes: dict[tuple[str, str], tuple[int, list[object]]] = {}
         self.requests: list[tuple[str, str, dict[str, list[str]]]] = []
+        self.headers: list[dict[str, str]] = []  # of each request, in order
 
     def reply(self, method: str, suffix: str, status: int, *objects: object) -> None:
         self.routes[(method, suffix)] = (status, list(objects))
@@ -389,6 +390,7 @@ def fake_api(tmp_path: Path) -> Iterator[FakeAPI]:
             length = int(self.headers.get("Content-Length") or 0)
             self.rfile.read(length)
             api.requests.append((self.command, url.path, parse_qs(url.query)))
+            api.headers.append(dict(self.headers.items()))
             status, objects = next(
                 (
                     answer
@@ -452,6 +454,22 @@ def test_pull_tags_the_pulled_image(fake_api: FakeAPI) -> None:
     (_, _, pull), (_, _, tag), _ = fake_api.requests
     assert pull == {"reference": ["quay.io/org/drv:1"]}  # no auth or policy of ours
     assert tag == {"repo": ["localhost/kvcd/drv"], "tag": ["1"]}
+
+
+def test_pull_with_credentials_and_without_tls_verification(fake_api: FakeAPI) -> None:
+    """The credentials go in the X-Registry-Auth header (podman's API), never in the URL;
+    TLS verification is the service's default unless the instance turns it off."""
+    fake_api.reply("POST", "/images/pull", 200, {"id": IMAGE_ID})
+    fake_api.reply("POST", f"/images/{IMAGE_ID}/tag", 201)
+    fake_api.reply("GET", f"/images/{IMAGE_ID}/json", 200, {"Id": IMAGE_ID, "RepoTags": []})
+    api = Podman(f"unix://{fake_api.path}")
+    api.pull("reg.example/drv:1", "localhost/kvcd/drv:1", auth="eyJ1In0=", tls_verify=False)
+    (_, _, query) = fake_api.requests[0]
+    assert query == {"reference": ["reg.example/drv:1"], "tlsVerify": ["false"]}
+    assert fake_api.headers[0]["X-Registry-Auth"] == "eyJ1In0="
+    api.pull("reg.example/drv:1", "localhost/kvcd/drv:1")
+    assert "X-Registry-Auth" not in fake_api.headers[3]
+    assert fake_api.requests[3][2] == {"reference": ["reg.example/drv:1"]}
 
 
 def test_pull_error_is_permanent(fake_api: FakeAPI) -> None:
