@@ -10,14 +10,16 @@ the read end sees EOF once every copy of the write end is closed), exactly what 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvcd.host.inhibit import InhibitError, Inhibitor
-from tests.integration.test_rpmostree_dbus import bus  # noqa: F401 (the private bus fixture)
+from tests.integration.test_rpmostree_dbus import (
+    bus,  # noqa: F401 (the private bus fixture)
+    fake_service,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -66,16 +68,8 @@ loop.run()
 
 @pytest.fixture
 def logind(bus: str, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:  # noqa: F811
-    script = tmp_path / "fake_logind.py"
-    script.write_text(LOGIND)
-    proc = subprocess.Popen([sys.executable, str(script), bus], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
+    with fake_service(tmp_path / "fake_logind.py", LOGIND, bus) as proc:
         yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def said(proc: subprocess.Popen[str]) -> str:

@@ -9,6 +9,7 @@ base-commit-meta). kvcd talks to it exactly as it would to the system bus, by ad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -150,15 +151,20 @@ def fake_rpmostree(bus: str, tmp_path: Path) -> Iterator[Path]:
     """The fake rpm-ostree daemon on `bus`; write the deployments into the returned file."""
     data = tmp_path / "deployments.json"
     data.write_text(json.dumps([BOOTED]))
-    script = tmp_path / "fake_rpmostreed.py"
-    script.write_text(SERVICE)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), bus, str(data)], stdout=subprocess.PIPE, text=True
-    )
+    with fake_service(tmp_path / "fake_rpmostreed.py", SERVICE, bus, str(data)):
+        yield data
+
+
+@contextlib.contextmanager
+def fake_service(script: Path, text: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """A fake D-Bus service: `text` run as a Python script with `args`; it says "ready" once it
+    owns its name, and its stdout is the test's to read after that."""
+    script.write_text(text)
+    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        yield data
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -165,28 +165,18 @@ def test_generator_script_runs_as_systemd_would(root: HostRoot, tmp_path: Path) 
     real process, so the script's code is run in-process the same way."""
     instance(root, "nic", ["base"])
     instance(root, "base")
-    script = (REPO / "systemd" / "kvcd-generator").read_text()
-    assert script.startswith("#!/usr/bin/python3\n")
+    assert (REPO / "systemd" / "kvcd-generator").read_text().startswith("#!/usr/bin/python3\n")
     out = tmp_path / "normal"
-    argv = [str(out), str(tmp_path / "early"), str(tmp_path / "late")]
-    saved = sys.argv
-    sys.argv = ["kvcd-generator", *argv]
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("KVCD_ROOT", str(root.root))
-            with pytest.raises(SystemExit) as exc:
-                exec(compile(script, "kvcd-generator", "exec"), {"__name__": "__main__"})
-    finally:
-        sys.argv = saved
-    assert exc.value.code == 0
+    assert run_generator(root, out, tmp_path / "early", tmp_path / "late") == 0
     assert (out / "kvcd@nic.service.d" / "50-kvcd-depends.conf").is_file()
     assert depends.main([]) == 2
 
 
-def run_generator(root: HostRoot, out: Path) -> int:
+def run_generator(root: HostRoot, *dirs: Path) -> int:
+    """systemd/kvcd-generator with the directories systemd passes (normal [early late])."""
     script = (REPO / "systemd" / "kvcd-generator").read_text()
     saved = sys.argv
-    sys.argv = ["kvcd-generator", str(out)]
+    sys.argv = ["kvcd-generator", *map(str, dirs)]
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("KVCD_ROOT", str(root.root))
