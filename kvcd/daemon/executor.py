@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvcd.config.loader import list_instances
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import actions as act
 from kvcd.core import metrics as m
@@ -366,10 +365,8 @@ class Executor:
 
     def _firmware(self, tree: Path | None) -> None:
         """The firmware directory as `tree`'s manifest says (None or no firmware_path: none)."""
-        manifest = store.read_manifest(tree) if tree is not None else None
-        want = manifest.firmware if manifest and self.cfg.firmware_path else {}
-        configured = set(list_instances(self.root))
-        for name in firmware.sync(self.root, self.cfg.name, tree, want, configured.__contains__):
+        tree = tree if self.cfg.firmware_path else None
+        for name in firmware.install(self.root, self.cfg.name, tree):
             log.info("firmware %s removed: no owner left", name, extra=self.fields)
 
     def _load(self, name: str, params: tuple[tuple[str, str], ...]) -> None:
@@ -479,9 +476,9 @@ class Executor:
                 done.append("module root restored")
             except (OSError, kmod.KmodError) as exc:
                 failed.append(f"restoring the module root: {exc}")
-        if attempt.firmware:  # the previous version's firmware back (none: none)
+        if attempt.firmware and attempt.activated:  # the previous version's firmware back
             try:
-                self._firmware(attempt.previous_store if attempt.activated else None)
+                self._firmware(attempt.previous_store)
                 done.append("firmware restored")
             except (StepFailed, OSError) as exc:
                 failed.append(f"restoring the firmware: {exc}")

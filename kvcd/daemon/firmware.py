@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcd.config.model import ConfigError
 from kvcd.core import state
 from kvcd.core.names import instance_problem
 from kvcd.core.state import StepFailed
@@ -336,6 +337,22 @@ def sync(
         if want and value != kernel_path(root):
             _set_search_path(root)
         return released
+
+
+def install(root: HostRoot, instance: str, tree: Path | None) -> list[str]:
+    """The instance's firmware as `tree`'s manifest lists it (None: none; the instance is
+    purged, or its config no longer names firmware), owners no longer configured dropped; the
+    names of the files removed."""
+    from kvcd.config.loader import list_instances
+
+    manifest = store.read_manifest(tree) if tree is not None else None
+    want = manifest.firmware if manifest else {}
+    configured: Callable[[str], bool]
+    try:
+        configured = set(list_instances(root)).__contains__
+    except ConfigError:  # the configs cannot be listed: nobody's files are swept
+        configured = bool
+    return sync(root, instance, tree, want, configured)
 
 
 def _set_search_path(root: HostRoot) -> None:

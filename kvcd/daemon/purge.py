@@ -133,14 +133,12 @@ def _files(root: HostRoot, settings: Settings, name: str) -> list[Path]:
 def _firmware(root: HostRoot, name: str) -> str | None:
     """Its firmware files that no other instance ships, and its place in the owners table;
     why not, when they stay."""
-    from kvcd.config.loader import list_instances
     from kvcd.daemon import firmware
 
     try:
-        configured = set(list_instances(root))
-        for path in firmware.sync(root, name, None, {}, configured.__contains__):
+        for path in firmware.install(root, name, None):
             log.info("%s: firmware %s removed", name, path)
-    except (StepFailed, ConfigError, OSError) as exc:
+    except (StepFailed, OSError) as exc:
         return str(exc)
     return None
 
