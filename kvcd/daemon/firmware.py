@@ -242,6 +242,7 @@ def _check_search_path(root: HostRoot) -> str:
 
 def _install(source: Path, target: Path, sha: str) -> None:
     """`source` at `target` (a new file renamed over it), verified against `sha` on the way."""
+    files.ensure_dir(target.parent)  # first: never read or write through a symlinked directory
     try:
         st = os.lstat(target)
     except FileNotFoundError:
@@ -250,7 +251,6 @@ def _install(source: Path, target: Path, sha: str) -> None:
         raise files.Refused(target, files.describe(st.st_mode))
     if st is not None and store.digest(target) == sha:
         return
-    files.ensure_dir(target.parent)
     tmp = target.parent / f".{target.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
     digest = hashlib.sha256()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -225,6 +225,10 @@ def test_a_symlink_in_the_firmware_directory_is_refused_not_followed(
     with pytest.raises(files.Refused):
         firmware.sync(root, "a", t, want, everyone)
     assert list(outside.iterdir()) == []
+    # The same content already there, behind the link: not taken as installed either.
+    (outside / "fw.bin").write_bytes(b"F")
+    with pytest.raises(files.Refused):
+        firmware.sync(root, "a", t, want, everyone)
 
 
 @pytest.mark.parametrize(
