@@ -252,12 +252,13 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                 if want is not None and want != api.node["metadata"]["resourceVersion"]:
                     self._status(409, "Conflict")
                     return
-                ann = api.node["metadata"].setdefault("annotations", {})
-                for k, v in (meta.get("annotations") or {}).items():
-                    if v is None:
-                        ann.pop(k, None)
-                    else:
-                        ann[k] = v
+                for part in ("annotations", "labels"):  # merge-patch: null removes a key
+                    have = api.node["metadata"].setdefault(part, {})
+                    for k, v in (meta.get(part) or {}).items():
+                        if v is None:
+                            have.pop(k, None)
+                        else:
+                            have[k] = v
                 api._bump()
                 self._send(200, api.node)
 
@@ -591,7 +592,11 @@ def test_reporter_publishes_and_posts_an_event_per_state_change(
         assert ann["kvcd.io/nic.reason"] == "LoadFailed: x"
         assert ann["other.io/keep"] == "yes"
         assert [e["reason"] for e in api.events] == ["ModulesLoaded", "LoadFailed"]
-        assert len(patches(api)) == 2  # the repeated Done cost nothing
+        # The state twice, and once the node-wide OS-update gate (the first report: no next
+        # kernel, upgradeable): the repeated Done cost nothing, nor did the gate again.
+        assert len(patches(api)) == 3
+        assert api.node["metadata"]["labels"]["kvcd.io/upgradeable"] == "true"
+        assert "kvcd.io/upgradeable-reason" not in ann
         rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
         rep.after(
             c, Record("nic", "Done", goal="unloaded", version="1.0", kernel="6.1.0", boot_id="b")
