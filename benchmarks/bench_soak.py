@@ -146,6 +146,16 @@ def usage(pid: int) -> dict[str, float]:
     }
 
 
+def settled_usage(pid: int, readings: int = 5, gap: float = 0.2) -> dict[str, float]:
+    """The least of a few readings a moment apart: a cycle's last event may still hold a
+    thread or an fd at the first one (a transient, not a leak)."""
+    seen = [usage(pid)]
+    for _ in range(readings - 1):
+        time.sleep(gap)
+        seen.append(usage(pid))
+    return {k: min(r[k] for r in seen) for k in seen[0]}
+
+
 def done(s: dict[str, Any]) -> bool:
     return s.get("state") == "Done"
 
@@ -221,12 +231,12 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.monotonic()
             for i in range(args.cycles):
                 if i == args.warmup:
-                    before = usage(pid)
+                    before = settled_usage(pid)
                 if i >= args.warmup and (i - args.warmup) % step == 0:
                     samples.append((i, round(usage(pid)["rss_kib"])))
                 cycle(d)
             wall = time.monotonic() - t0
-            after = usage(pid)
+            after = settled_usage(pid)
             if d.pid() != pid:
                 sys.exit(f"the daemon was replaced during the soak ({pid} -> {d.pid()})")
         finally:
