@@ -44,3 +44,13 @@ def node_keys(annotations: Mapping[str, str], prefix: str) -> tuple[str, str | N
     if len(reason) > MAX_REASON:
         reason = reason[: MAX_REASON - 1] + "…"
     return "false", reason
+
+
+def annotation_patch(annotations: Mapping[str, str], prefix: str) -> dict[str, str | None]:
+    """The reason annotation as `annotations` (the node's, as they will be) make it."""
+    return {f"{prefix}/{GATE_REASON}": node_keys(annotations, prefix)[1]}
+
+
+def label_patch(annotations: Mapping[str, str], prefix: str) -> dict[str, str | None]:
+    """The gate label as `annotations` make it."""
+    return {f"{prefix}/{GATE}": node_keys(annotations, prefix)[0]}

@@ -118,11 +118,6 @@ def search_path(root: HostRoot) -> str | None:
     return None if text is None else text.strip()
 
 
-def owned(root: HostRoot, instance: str) -> dict[str, Entry]:
-    """The files of the firmware directory `instance` owns (for `kvcd status`)."""
-    return {n: e for n, e in _owners(root).items() if instance in e.owners}
-
-
 def current(root: HostRoot, instance: str, want: Mapping[str, str]) -> bool:
     """The firmware directory holds exactly `want` (name -> sha256) for `instance`, each file
     in place with its recorded size, and the kernel searches it when there are any."""

@@ -159,16 +159,13 @@ def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
         patch: dict[str, str | None] = {k: None for k in view.annotations if k.startswith(own)}
         if drain_key in view.annotations:
             patch[f"{prefix}/drain"] = hs.node_value(after(view), prefix)
-        if f"{prefix}/{upgradegate.GATE_REASON}" in view.annotations:  # its failure may go
-            patch[f"{prefix}/{upgradegate.GATE_REASON}"] = upgradegate.node_keys(
-                after(view), prefix
-            )[1]
+        patch.update(upgradegate.annotation_patch(after(view), prefix))  # its failure may go
         return patch
 
-    def labels(view: NodeView) -> dict[str, str | None]:
+    def labels(view: NodeView) -> dict[str, str | None]:  # only a gate a daemon set
         if f"{prefix}/{upgradegate.GATE}" not in view.labels:
             return {}
-        return {f"{prefix}/{upgradegate.GATE}": upgradegate.node_keys(after(view), prefix)[0]}
+        return upgradegate.label_patch(after(view), prefix)
 
     try:
         open_backend(root, settings, os.environ).update(change, labels)

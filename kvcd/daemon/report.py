@@ -195,13 +195,12 @@ class Reporter(Extension):
         writer = self.link.writer
         assert writer is not None
         prefix = self.link.prefix
-        label, reason = upgradegate.GATE, upgradegate.GATE_REASON
 
         def annotations(view: NodeView) -> dict[str, str | None]:
-            return {f"{prefix}/{reason}": upgradegate.node_keys(view.annotations, prefix)[1]}
+            return upgradegate.annotation_patch(view.annotations, prefix)
 
         def labels(view: NodeView) -> dict[str, str | None]:
-            return {f"{prefix}/{label}": upgradegate.node_keys(view.annotations, prefix)[0]}
+            return upgradegate.label_patch(view.annotations, prefix)
 
         if not writer.update(annotations, labels):
             return False
