@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcd.host.paths import HostRoot
 
@@ -122,11 +122,24 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write metrics_dir/kvcd-NAME.prom (node_exporter's textfile collector) instead",
     )
+    _image_verbs(sub)
     wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
     wr.add_argument("instance", metavar="NAME")
     wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
     wr.add_argument("--kernel", metavar="KVER")
     return p
+
+
+def _image_verbs(sub: Any) -> None:
+    im = sub.add_parser("image", help="driver images on this node")
+    verbs = im.add_subparsers(dest="image_verb", required=True, metavar="VERB")
+    ip = verbs.add_parser(
+        "import",
+        help="load a driver image archive (`podman save` output) as NAME's image: air-gapped nodes",
+    )
+    ip.add_argument("instance", metavar="NAME")
+    ip.add_argument("archive", metavar="ARCHIVE", help="docker-archive or oci-archive file")
+    ip.add_argument("--kernel", metavar="KVER", help="kernel release (default: the running one)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -195,6 +208,10 @@ def _verb(root: HostRoot, args: argparse.Namespace) -> int:
         from kvcd.daemon.metrics import metrics_command
 
         return metrics_command(root, args.instance, args.write)
+    if args.verb == "image":
+        from kvcd.daemon.images import import_command
+
+        return import_command(root, args.instance, args.archive, args.kernel)
     if args.verb == "capabilities":
         from kvcd.daemon.variants import capabilities_command
 
@@ -402,7 +419,12 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     print(f"  plan for {kernel}:")
     for line in planned.describe():
         print(f"    {line}")
-    return True
+    from kvcd.daemon.images import archive_problem
+
+    problem = archive_problem(planned)
+    if problem:
+        print(f"  {name}: NO IMAGE: {problem}")
+    return not problem
 
 
 def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:

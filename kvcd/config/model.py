@@ -78,6 +78,9 @@ class InstanceConfig:
     build: BuildSource | None = None
     # A prebuilt image to pull first, with {kernel} and {version} placeholders.
     image: str | None = None
+    # Pinned to an image archive on the node (`podman save` output; {kernel} and {version}
+    # placeholders): loaded when the image is not cached, never pulled or built (air gaps).
+    image_archive: str = ""
     # Registry credentials for `image` (containers-auth.json(5)); "" = the node's pull_secret.
     auth_file: str = ""
     # Verify the registry's TLS certificate on pulls; false only for a registry the admin
@@ -129,9 +132,13 @@ class InstanceConfig:
     kabi: str = "weak-updates-first"
 
     def image_ref(self, kernel: str) -> str | None:
-        if self.image is None:
-            return None
-        return self.image.replace("{kernel}", kernel).replace("{version}", self.version)
+        return self._expand(self.image, kernel) if self.image else None
+
+    def archive_path(self, kernel: str) -> str | None:
+        return self._expand(self.image_archive, kernel) if self.image_archive else None
+
+    def _expand(self, template: str, kernel: str) -> str:
+        return template.replace("{kernel}", kernel).replace("{version}", self.version)
 
     def image_tag(self, kernel: str) -> str:
         """kvcd's own local tag: kvcd-<instance>-<version>:<kernel, tag-safe>; with a variant,

@@ -83,9 +83,7 @@ class TomlInstance:
                 f"'modules' must be an array of module names, got {rules.show(modules)}", "modules"
             )
         names = self.check(rules.valid_module_names, modules, "modules")
-        values: dict[str, Any] = {}
-        if "image" in data:
-            values["image"] = self.check(rules.valid_image, data["image"], "image")
+        values = self.image_source(data)
         for key, rule in (
             ("modules_path", rules.valid_modules_path),
             ("firmware_path", rules.valid_firmware_path),
@@ -124,16 +122,9 @@ class TomlInstance:
             )
         if "wrapper_args" in data:
             values["wrapper_args"] = self.wrapper_args(data["wrapper_args"])
-        if "build" in data:
-            values["build"] = self.build_source(data["build"])
         if values.get("auth_file") and "image" not in values and "variants" not in data:
             raise self.fail(
                 "'auth_file' holds credentials for pulling 'image': set 'image'", "auth_file"
-            )
-        if "build" not in values and "image" not in values and "variants" not in data:
-            raise self.fail(
-                "needs a [build] table or an 'image' (or both): without either there is no "
-                "way to get the driver image"
             )
         values.update(self.node_keys(data))
 
@@ -150,6 +141,32 @@ class TomlInstance:
             format="toml",
             **values,
         )
+
+    def image_source(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Where the driver image comes from: `image` (pulled), [build], both (the build when
+        the pull fails), variants (each names its own), or `image_archive` alone (pinned)."""
+        values: dict[str, Any] = {}
+        if "image" in data:
+            values["image"] = self.check(rules.valid_image, data["image"], "image")
+        if "build" in data:
+            values["build"] = self.build_source(data["build"])
+        if "image_archive" in data:
+            values["image_archive"] = self.check(
+                rules.valid_archive, data["image_archive"], "image_archive"
+            )
+            other = [k for k in ("image", "build", "variants") if k in data]
+            if other:
+                raise self.fail(
+                    "'image_archive' pins the instance to an archive on the node, which is "
+                    f"never pulled or built: remove {' and '.join(map(repr, other))}",
+                    "image_archive",
+                )
+        elif "build" not in values and "image" not in values and "variants" not in data:
+            raise self.fail(
+                "needs a [build] table, an 'image' (or both), or an 'image_archive': without "
+                "one there is no way to get the driver image"
+            )
+        return values
 
     def wrapper_args(self, value: object) -> tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

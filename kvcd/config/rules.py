@@ -54,6 +54,7 @@ TOP_KEYS = (
     "version",
     "modules",
     "image",
+    "image_archive",
     "auth_file",
     "tls_verify",
     "modules_path",
@@ -291,6 +292,19 @@ def valid_modules_path(value: object, label: str) -> str:
     check_placeholders(value, label, ("kernel",))
     if ".." in value.split("/") or has_control(value):
         raise Invalid(f"'{label}' must not contain '..' or control characters")
+    return value
+
+
+def valid_archive(value: object, label: str) -> str:
+    """An image archive on the node: an absolute, normalized file path; {kernel} and {version}
+    may name the archive of each kernel and version."""
+    if not isinstance(value, str) or not value:
+        raise Invalid(f"'{label}' must be a non-empty string, got {show(value)}")
+    plain = check_placeholders(value, label, ("kernel", "version"))
+    if not plain.startswith("/") or plain.endswith("/") or has_control(value):
+        raise Invalid(f"'{label}' must be an absolute file path, got {show(value)}")
+    if posixpath.normpath(plain) != plain:
+        raise Invalid(f"'{label}' must be a normalized path (no '.' or '..'), got {show(value)}")
     return value
 
 

@@ -8,13 +8,17 @@ from typing import Union
 
 @dataclass(frozen=True)
 class AcquireImage:
-    """Make `tag` exist: pull `pull_ref` if given, else (or if that fails) build from `context`."""
+    """Make `tag` exist: load `archive` if given (pinned: nothing else); else pull `pull_ref`
+    if given, else (or if that fails) build from `context`."""
 
     tag: str
     pull_ref: str | None
     context: str | None
+    archive: str | None = None
 
     def describe(self) -> str:
+        if self.archive:
+            return f"load {self.archive} as {self.tag}"
         if self.pull_ref and self.context:
             return (
                 f"pull {self.pull_ref} as {self.tag} (build from {self.context} if the pull fails)"

@@ -125,7 +125,7 @@ def plan_build(d: Desired, o: Observed) -> Plan:
         return Plan()
     return Plan(
         (
-            AcquireImage(d.image_tag, d.pull_ref, d.build_context),
+            AcquireImage(d.image_tag, d.pull_ref, d.build_context, d.archive),
             Extract(d.image_tag, d.path_in_image, d.version, d.kernel, d.firmware_path),
             CollectImages(d.keep_images),
         )

@@ -19,6 +19,9 @@ UNLOAD_POLICIES = (IF_IDLE, NEVER, UNLOAD_DRAIN)
 CONFIG_INVALID = "ConfigInvalid"
 PODMAN_UNAVAILABLE = "PodmanUnavailable"
 PULL_FAILED = "PullFailed"
+# The instance's image archive (image_archive, `kvcd image import`) is missing, is not a
+# regular file, or is not one image of this instance's version and kernel.
+IMPORT_FAILED = "ImportFailed"
 BUILD_FAILED = "BuildFailed"
 EXTRACT_FAILED = "ExtractFailed"
 WRONG_KERNEL = "WrongKernel"
@@ -71,6 +74,7 @@ REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
     PULL_FAILED,
+    IMPORT_FAILED,
     BUILD_FAILED,
     EXTRACT_FAILED,
     WRONG_KERNEL,

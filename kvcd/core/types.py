@@ -32,6 +32,8 @@ class Desired:
     path_in_image: str
     pull_ref: str | None = None
     build_context: str | None = None
+    # The image archive the instance is pinned to (image_archive): never pulled or built.
+    archive: str | None = None
     # A KVC instance with a root-owned <name>-lib.sh: its functions replace the native steps.
     hooks: bool = False
     keep_images: int = 3

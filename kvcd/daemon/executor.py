@@ -24,10 +24,10 @@ from kvcd.core import state
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
-from kvcd.daemon import firmware, imagelabels, metrics, signing, store
+from kvcd.daemon import firmware, metrics, signing, store
+from kvcd.daemon.images import Images
 from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
-from kvcd.host.regauth import AuthFileError, credentials, files_for
 from kvcd.host.run import CommandError
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class Executor:
         # for all of them at the first load (one process, not one per module: #20), and asked
         # again after anything changes the tree (an activation, a rollback's).
         self._to_load: tuple[str, ...] = ()
-        self._cache_hit = False  # set by _acquire when the image was cached
+        self._cache_hit = False  # set when AcquireImage found the image cached
         self._resolved: dict[str, str | None] = {}
         self._resolve_together = True
         self.fields = {
@@ -94,6 +94,10 @@ class Executor:
             "KVCD_KERNEL": desired.kernel,
             "KVCD_VERSION": cfg.version,
         }
+
+        self.images = Images(
+            cfg, desired.kernel, settings, lambda: self.podman, on_build_line, self.fields
+        )
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -150,7 +154,7 @@ class Executor:
 
     def _apply(self, a: act.Action, attempt: Attempt) -> None:
         if isinstance(a, act.AcquireImage):
-            self._acquire(a)
+            self._cache_hit = self.images.acquire(a)
         elif isinstance(a, act.Extract):
             self._extract(a)
         elif isinstance(a, act.Activate):
@@ -171,92 +175,7 @@ class Executor:
         elif isinstance(a, act.Verify):
             self._verify(a.modules, a.loaded)
         elif isinstance(a, act.CollectImages):
-            self._collect(a.keep)
-
-    # -- images --------------------------------------------------------------------------------
-    def _acquire(self, a: act.AcquireImage) -> None:
-        from kvcd.host.podtypes import BuildSpec, PodmanError, PodmanUnavailable
-
-        try:
-            cached = self.podman.get_image(a.tag)
-            labels = None if cached is None else cached.labels
-            foreign = (
-                None if labels is None else imagelabels.not_ours(self.cfg, self.d.kernel, labels)
-            )
-            if cached is not None and foreign is None:
-                log.info("image %s is cached; no build", a.tag, extra=self.fields)
-                self._cache_hit = True
-                metrics.count(m.IMAGE_CACHE_HITS)
-                return
-            metrics.count(m.IMAGE_CACHE_MISSES)
-            if foreign is not None:
-                log.warning(
-                    "cached image %s was built %s; building it again",
-                    a.tag,
-                    foreign,
-                    extra=self.fields,
-                )
-            if a.pull_ref:
-                try:
-                    self._pull(a.pull_ref, a.tag)
-                    log.info("pulled %s as %s", a.pull_ref, a.tag, extra=self.fields)
-                    return
-                except PodmanError as exc:
-                    if not a.context:
-                        # Retried on the back-off timer, as the kubelet's ImagePullBackOff: a
-                        # registry down or a tag not pushed yet is usually fixed elsewhere.
-                        raise StepFailed(
-                            state.PULL_FAILED, f"{a.pull_ref}: {exc}", transient=True
-                        ) from exc
-                    log.warning(
-                        "pull of %s failed (%s); building instead",
-                        a.pull_ref,
-                        exc,
-                        extra=self.fields,
-                    )
-            assert a.context is not None  # the config loader requires build or image
-            build = self.cfg.build
-            spec = BuildSpec(
-                context=a.context,
-                containerfile=build.containerfile if build else "Containerfile",
-                tag=a.tag,
-                build_args={
-                    **dict(build.args if build else ()),
-                    "KVER": self.d.kernel,
-                    "KMODVER": self.cfg.version,
-                },
-                labels=imagelabels.labels(self.cfg, self.d.kernel),
-            )
-            self._event(
-                logging.INFO,
-                journal.MSG_BUILD_STARTED,
-                "build of %s started from %s",
-                a.tag,
-                a.context,
-            )
-            if a.context.startswith("git://"):
-                log.warning(
-                    "build context %s is fetched over git://, unauthenticated and unencrypted: "
-                    "anyone on the network path can change the driver this node loads; "
-                    "prefer https://",
-                    a.context,
-                    extra=self.fields,
-                )
-
-            def line(text: str) -> None:
-                self.on_build_line(text)
-                failpoint.hit("build")
-
-            try:
-                self.podman.build(spec, line)
-            except PodmanError as exc:
-                self._event(
-                    logging.ERROR, journal.MSG_BUILD_FAILED, "build of %s failed: %s", a.tag, exc
-                )
-                raise StepFailed(state.BUILD_FAILED, str(exc)) from exc
-            self._event(logging.INFO, journal.MSG_BUILD_FINISHED, "build of %s finished", a.tag)
-        except PodmanUnavailable as exc:
-            raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
+            self.images.collect(a.keep)
 
     def _extract(self, a: act.Extract) -> None:
         from kvcd.host.podtypes import PodmanError, PodmanUnavailable
@@ -320,28 +239,6 @@ class Executor:
                 **signing.signer_fields(path),
             )
         return store.Manifest(a.version, a.kernel, a.tag, modules)
-
-    def _collect(self, keep: int) -> None:
-        from kvcd.host.podtypes import PodmanError, PodmanUnavailable
-
-        try:
-            removed = self.podman.gc(self.cfg.name, keep, protect=())
-        except (PodmanError, PodmanUnavailable) as exc:  # housekeeping never fails a load
-            log.warning("image garbage collection failed: %s", exc, extra=self.fields)
-            return
-        for img in removed:
-            log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
-
-    def _pull(self, ref: str, tag: str) -> None:
-        """Pull with the instance's (else the node's) registry credentials, if any has some."""
-        try:
-            creds = credentials(ref, files_for(self.cfg, self.settings))
-        except AuthFileError as exc:
-            raise StepFailed(state.PULL_FAILED, f"{ref}: credentials: {exc}") from exc
-        if creds is not None:
-            log.info("pulling %s with the credentials of %s", ref, creds.source, extra=self.fields)
-        auth, verify = (creds.header() if creds else None), self.cfg.tls_verify
-        self.podman.pull(ref, tag, auth=auth, tls_verify=verify)
 
     # -- module root and kernel ----------------------------------------------------------------
     def _activate(self, a: act.Activate, attempt: Attempt) -> None:

@@ -41,7 +41,9 @@ def not_ours(cfg: InstanceConfig, kernel: str, image_labels: Mapping[str, str]) 
     if "io.kvcd.instance" not in image_labels:
         return None
     want = labels(cfg, kernel)
-    if "io.kvcd.inputs" not in image_labels:  # built before kvcd labelled its inputs
+    if "io.kvcd.inputs" not in image_labels or cfg.build is None:
+        # Built before kvcd labelled its inputs; or this instance never builds (pulled or
+        # pinned to an archive): which build made the image matters only to a rebuild.
         want.pop("io.kvcd.inputs")
     wrong = [
         f"{k.removeprefix('io.kvcd.')} {image_labels.get(k)!r}"

@@ -26,6 +26,7 @@ def desired_for(cfg: InstanceConfig, kernel: str) -> Desired:
         path_in_image=cfg.path_in_image(kernel),
         pull_ref=cfg.image_ref(kernel),
         build_context=cfg.build.context if cfg.build else None,
+        archive=cfg.archive_path(kernel),
         hooks=cfg.kvc_lib is not None,
         keep_images=cfg.keep_images,
         remove_in_tree=cfg.in_tree_modules_to_remove,

@@ -170,6 +170,19 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
+def open_input(path: Path) -> BinaryIO:
+    """A file the admin hands kvcd (an image archive, not kvcd's own: symlinks are followed),
+    open for reading: FileNotFoundError when it does not exist, Refused for a directory or a
+    special file, without blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _must_be_regular(fd, path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 

@@ -27,7 +27,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import requests
 from podman.api import APIClient
@@ -51,10 +51,13 @@ from kvcd.host.podtypes import (
     PodmanError,
     PodmanUnavailable,
     image_info,
+    protected,
+    split_ref,
 )
 from kvcd.host.tarstream import (
     ChunkReader,
     extract_members,
+    file_chunks,
     replace_dir,
 )
 
@@ -206,17 +209,42 @@ class Podman:
             resp.close()
         if error or not image_id:
             raise PodmanError(f"{what}: {error or 'the service reported no image'}")
-        self._tag(image_id, tag)
+        self.tag(image_id, tag)
         return self._must_get(image_id)
 
-    def _tag(self, image_id: str, ref: str) -> None:
-        repo, tag = _split_ref(ref)
+    def tag(self, image_id: str, ref: str) -> None:
+        repo, tag = split_ref(ref)
         what = f"tag {image_id[:12]} as {ref}"
         resp = self._call(
             "post", f"/images/{image_id}/tag", what, params={"repo": repo, "tag": tag}
         )
         if resp.status_code not in (200, 201):
             raise self._failure(what, resp)
+
+    def load(self, archive: IO[bytes], name: str) -> ImageInfo:
+        """Load an image archive (`podman save`: docker-archive or oci-archive), streamed from
+        ``archive`` (named ``name`` in errors); PodmanError unless it holds exactly one image."""
+        what = name
+        resp = self._call(
+            "post",
+            "/images/load",
+            what,
+            data=file_chunks(archive),
+            headers={"Content-Type": "application/x-tar"},
+            timeout=(self.timeout, None),
+        )
+        if resp.status_code != 200:
+            raise self._failure(what, resp)
+        try:
+            loaded = [str(n) for n in resp.json().get("Names") or ()]
+        except (ValueError, AttributeError):
+            loaded = []
+        if len(loaded) != 1:
+            raise PodmanError(
+                f"{what}: a driver image archive holds one image, this one "
+                f"{', '.join(loaded) if loaded else 'none'}"
+            )
+        return self._must_get(loaded[0])
 
     def _must_get(self, ref: str) -> ImageInfo:
         info = self.get_image(ref)
@@ -268,7 +296,7 @@ class Podman:
                 f"{what} failed: {output.error or 'no image id in the output'}\n"
                 f"last {len(output.tail)} lines of output:\n{lines}"
             )
-        self._tag(output.image_id, spec.tag)
+        self.tag(output.image_id, spec.tag)
         info = self._must_get(output.image_id)
         log.info("%s: built %s", what, info.id[:12])
         return info
@@ -427,7 +455,7 @@ class Podman:
         for info in self.list_instance_images(instance)[keep:]:
             if info.instance != instance:  # the label filter already says so; be sure
                 continue
-            if _protected(info, protect):
+            if protected(info, protect):
                 log.debug("gc %s: keeping protected image %s", instance, info.id[:12])
                 continue
             try:
@@ -450,24 +478,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _split_ref(ref: str) -> tuple[str, str]:
-    """``registry:5000/repo/name:tag`` -> (``registry:5000/repo/name``, ``tag``)."""
-    if "@" in ref:
-        raise PodmanError(f"cannot tag an image as {ref!r}: a digest is not a tag")
-    colon, slash = ref.rfind(":"), ref.rfind("/")
-    if colon > slash:
-        return ref[:colon], ref[colon + 1 :]
-    return ref, "latest"
-
-
-def _protected(info: ImageInfo, protect: Collection[str]) -> bool:
-    for item in protect:
-        ref = item.removeprefix("sha256:")
-        if ref == info.id or (len(ref) >= 12 and info.id.startswith(ref)) or item in info.tags:
-            return True
-    return False
 
 
 def _message(resp: requests.Response) -> str:

@@ -4,7 +4,7 @@ transient, PodmanError permanent for its input), ImageInfo and the BuildSpec of 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -105,3 +105,21 @@ def timestamp(value: object) -> float:
     base, frac, zone = match.groups()
     stamp = datetime.fromisoformat(base + ("+00:00" if zone == "Z" else zone))
     return stamp.replace(tzinfo=stamp.tzinfo or timezone.utc).timestamp() + float(f"0.{frac or 0}")
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+    """``registry:5000/repo/name:tag`` -> (``registry:5000/repo/name``, ``tag``)."""
+    if "@" in ref:
+        raise PodmanError(f"cannot tag an image as {ref!r}: a digest is not a tag")
+    colon, slash = ref.rfind(":"), ref.rfind("/")
+    if colon > slash:
+        return ref[:colon], ref[colon + 1 :]
+    return ref, "latest"
+
+
+def protected(info: ImageInfo, protect: Collection[str]) -> bool:
+    for item in protect:
+        ref = item.removeprefix("sha256:")
+        if ref == info.id or (len(ref) >= 12 and info.id.startswith(ref)) or item in info.tags:
+            return True
+    return False

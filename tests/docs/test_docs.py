@@ -227,7 +227,13 @@ def check_synopsis(block: Block) -> None:
         assert m, f"{block.doc.name}:{n}: not a synopsis line: {line!r}"
         verb, rest = m.group(1), m.group(2)
         assert verb in verbs.choices, f"{block.doc.name}:{n}: no verb {verb!r}"
-        options = {s for a in verbs.choices[verb]._actions for s in a.option_strings}
+        sub = verbs.choices[verb]
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:  # `kvcd image import …`: the second word is the verb's own verb
+            word, _, rest = rest.strip().partition(" ")
+            assert word in nested[0].choices, f"{block.doc.name}:{n}: no `kvcd {verb} {word}`"
+            sub = nested[0].choices[word]
+        options = {s for a in sub._actions for s in a.option_strings}
         for opt in re.findall(r"--[a-z][a-z-]*", rest):
             assert opt in options, f"{block.doc.name}:{n}: `kvcd {verb}` has no {opt}"
 
@@ -288,6 +294,11 @@ EXPECT: list[tuple[str, str, dict[str, Any]]] = [
         {"auth_file": "/etc/kvcd/auth/gpu.json", "tls_verify": True},
     ),
     ("README.md", "/etc/kvcd/kvcd.toml", {"pull_secret": "/var/lib/kubelet/config.json"}),
+    (
+        "README.md",
+        "/etc/kvcd/instances/gpu-airgap.toml",
+        {"image_archive": "/var/lib/driver-archives/nvidia-{version}-{kernel}.tar"},
+    ),
 ]
 
 

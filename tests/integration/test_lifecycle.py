@@ -8,7 +8,9 @@ Loading itself needs a kernel with module support: that is the VM suite (tests/e
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +169,118 @@ def test_image_for_another_kernel_is_refused_before_anything_is_activated(
     err = capsys.readouterr().err
     tag = "localhost/kvcd-wk-1.0:6.1.0-99-amd64"
     assert f"WrongKernel: kvcd_base.ko in {tag} was built for {node.kernel}" in err
+
+
+# --- image archives: an air-gapped node (image_archive, `kvcd image import`) --------------------
+
+
+def _save(podman_service: Any, ref: str, dest: Path) -> Path:
+    env = {**os.environ, **podman_service.env, "TMPDIR": str(podman_service.dir / "tmp")}
+    subprocess.run(["podman", "save", "-q", "-o", str(dest), ref], env=env, check=True)
+    return dest
+
+
+def _pin(node: Node, name: str, archive: str) -> None:
+    fakehost.write_config(
+        node.root,
+        name,
+        f'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\nimage_archive = "{archive}"\n',
+    )
+
+
+def test_pinned_archive_is_loaded_never_pulled_or_built(
+    node: Node, podman: Podman, podman_service: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A connected node built kvcd@ag 1.0 and saved it; this node has only the archive.
+    node.instance("ag", "1.0")
+    assert node.kvcd("build", "ag") == 0
+    tag = f"localhost/kvcd-ag-1.0:{node.kernel}"
+    archives = node.tmp / "archives"
+    archives.mkdir()
+    built = podman.get_image(tag)
+    assert built is not None
+    _save(podman_service, tag, archives / f"ag-1.0-{node.kernel}.tar")
+    podman.remove_image(built.id)
+    shutil.rmtree(node.root.store("ag"))
+    _pin(node, "ag", f"{archives}/ag-{{version}}-{{kernel}}.tar")
+
+    capsys.readouterr()
+    assert node.kvcd("check-config", "ag", "--kernel", node.kernel) == 0
+    assert f"load {archives}/ag-1.0-{node.kernel}.tar as {tag}" in capsys.readouterr().out
+    assert node.kvcd("build", "ag") == 0
+    loaded = podman.get_image(tag)
+    assert loaded is not None and loaded.id == built.id  # the archive's image, not a rebuild
+    manifest = node.root.store("ag") / "1.0" / node.kernel / ".kvcd-manifest.json"
+    assert json.loads(manifest.read_text())["image"] == tag
+
+    # Another instance's archive is refused, not loaded under this instance's tag.
+    node.instance("src", "1.0")
+    assert node.kvcd("build", "src") == 0
+    _save(podman_service, f"localhost/kvcd-src-1.0:{node.kernel}", archives / "src.tar")
+    _pin(node, "stranger", f"{archives}/src.tar")
+    capsys.readouterr()
+    assert node.kvcd("build", "stranger") == 1
+    err = capsys.readouterr().err
+    assert f"ImportFailed: {archives}/src.tar: its image " in err
+    assert "was built by kvcd for instance 'src'" in err
+    assert podman.get_image(f"localhost/kvcd-stranger-1.0:{node.kernel}") is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "expect"),
+    [
+        ("missing", "no such file (copy the driver image archive there, or run `kvcd image "),
+        ("fifo", "is a FIFO"),
+        ("directory", "is a directory"),
+        ("garbage", "payload does not match any of the supported image formats"),
+    ],
+)
+def test_an_archive_kvcd_cannot_use_is_import_failed_naming_it(
+    node: Node, capsys: pytest.CaptureFixture[str], kind: str, expect: str
+) -> None:
+    archive = node.tmp / "drv.tar"
+    if kind == "fifo":
+        os.mkfifo(archive)  # opened without blocking: a FIFO must not hang the daemon
+    elif kind == "directory":
+        archive.mkdir()
+    elif kind == "garbage":
+        archive.write_text("not an image\n")
+    _pin(node, "bad", str(archive))
+    capsys.readouterr()
+    assert node.kvcd("check-config", "bad", "--kernel", node.kernel) == (
+        0 if kind == "garbage" else 2  # check-config reads no archive: podman judges it
+    )
+    assert node.kvcd("build", "bad") == 1
+    err = capsys.readouterr().err
+    assert f"ImportFailed: {archive}" in err and expect in err, err
+    st = node.status(capsys, "bad")
+    assert st["state"] == "Degraded" and st["code"] == "ImportFailed", st
+
+
+def test_image_import_gives_an_instance_its_image_without_a_build(
+    node: Node, podman: Podman, podman_service: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.instance("imp", "1.0")
+    assert node.kvcd("build", "imp") == 0
+    tag = f"localhost/kvcd-imp-1.0:{node.kernel}"
+    built = podman.get_image(tag)
+    assert built is not None
+    archive = _save(podman_service, tag, node.tmp / "imp.tar")
+    podman.remove_image(built.id)
+    shutil.rmtree(node.root.store("imp"))
+
+    capsys.readouterr()
+    assert node.kvcd("image", "import", "imp", str(archive)) == 0
+    out = capsys.readouterr().out
+    assert out == f"{archive}: image {built.id[:12]} is {tag}: kvcd@imp 1.0 on {node.kernel}\n"
+    # The build context is gone: only the imported image can make this build succeed.
+    shutil.rmtree(node.tmp / "ctx-imp-1.0")
+    assert node.kvcd("build", "imp") == 0
+    assert (node.root.store("imp") / "1.0" / node.kernel / ".kvcd-manifest.json").exists()
+
+    # For another kernel: the image's labels name the kernel it was built for.
+    assert node.kvcd("image", "import", "imp", str(archive), "--kernel", "6.1.0-99-amd64") == 1
+    assert f"was built by kvcd for kernel '{node.kernel}'" in capsys.readouterr().err
+    # Names and kernels are checked at the edge, before anything is read.
+    assert node.kvcd("image", "import", "../imp", str(archive)) == 2
+    assert node.kvcd("image", "import", "imp", str(archive), "--kernel", "../x") == 2

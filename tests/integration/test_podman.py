@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -300,6 +301,25 @@ def test_pull_failure_is_permanent_and_quick(podman: Podman) -> None:
         podman.pull("localhost:1/nope:1", "localhost/kvcd-test/nope:1")
     assert time.monotonic() - started < 10
     assert podman.get_image("localhost/kvcd-test/nope:1") is None
+
+
+def test_load_takes_one_image_archive_and_refuses_two(
+    podman: Podman, podman_service: Any, base_image: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, **podman_service.env, "TMPDIR": str(podman_service.dir / "tmp")}
+    one, two = tmp_path / "one.tar", tmp_path / "two.tar"
+    podman.tag(base_image, "localhost/kvcd-test/second:1")
+    subprocess.run(["podman", "save", "-q", "-o", one, base_image], env=env, check=True)
+    subprocess.run(
+        ["podman", "save", "-q", "-m", "-o", two, base_image, "localhost/kvcd-test/second:1"],
+        env=env,
+        check=True,
+    )
+    with one.open("rb") as fh:
+        info = podman.load(fh, str(one))
+    assert base_image in info.tags
+    with two.open("rb") as fh, pytest.raises(PodmanError, match="holds one image, this one "):
+        podman.load(fh, str(two))
 
 
 def test_ping_and_missing_image(podman: Podman) -> None:

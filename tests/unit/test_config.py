@@ -296,7 +296,52 @@ BAD_TOML = [
         "no-build-no-image",
         doc('version = "1"', 'modules = ["a"]'),
         None,
-        "needs a [build] table or an 'image' (or both)",
+        "needs a [build] table, an 'image' (or both), or an 'image_archive'",
+    ),
+    (
+        "archive-relative",
+        doc('version = "1"', 'modules = ["a"]', 'image_archive = "drv.tar"'),
+        3,
+        "'image_archive' must be an absolute file path, got \"drv.tar\"",
+    ),
+    (
+        "archive-dotdot",
+        doc('version = "1"', 'modules = ["a"]', 'image_archive = "/srv/../etc/x.tar"'),
+        3,
+        "'image_archive' must be a normalized path (no '.' or '..')",
+    ),
+    (
+        "archive-directory",
+        doc('version = "1"', 'modules = ["a"]', 'image_archive = "/srv/drivers/"'),
+        3,
+        "'image_archive' must be an absolute file path",
+    ),
+    (
+        "archive-evil-placeholder",
+        doc('version = "1"', 'modules = ["a"]', 'image_archive = "/srv/{name}.tar"'),
+        3,
+        "unknown placeholder '{name}' in 'image_archive' (only {kernel} and {version})",
+    ),
+    (
+        "archive-and-image",
+        doc(
+            'version = "1"', 'modules = ["a"]', 'image = "reg/x:1"', 'image_archive = "/srv/x.tar"'
+        ),
+        4,
+        "'image_archive' pins the instance to an archive on the node, which is never pulled or "
+        "built: remove 'image'",
+    ),
+    (
+        "archive-and-build",
+        doc(
+            'version = "1"',
+            'modules = ["a"]',
+            'image_archive = "/srv/x.tar"',
+            "[build]",
+            'context = "/srv/ctx"',
+        ),
+        3,
+        "remove 'build'",
     ),
     (
         "image-evil-placeholder",

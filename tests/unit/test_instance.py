@@ -451,5 +451,5 @@ def test_a_cached_image_is_reused_only_when_it_is_this_instances_build(
     caplog.set_level(logging.WARNING)
     instance(host, pod).apply("load")
     assert any(what == "build" for what, _ in pod.calls) is rebuilt
-    warned = [r.getMessage() for r in caplog.records if "building it again" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "getting it again" in r.getMessage()]
     assert bool(warned) is rebuilt and all(why in w for w in warned), warned

@@ -273,6 +273,15 @@ def test_pull_first_then_build() -> None:
     assert "build from /src if the pull fails" in plan_load(d, obs()).describe()[0]
 
 
+def test_pinned_archive_is_loaded_never_pulled_or_built() -> None:
+    archive = f"/srv/drivers/drv-2.0-{K}.tar"
+    d = Desired(**{**D.__dict__, "build_context": None, "archive": archive})
+    first = plan_load(d, obs()).actions[0]
+    assert first == AcquireImage(TAG, None, None, archive)
+    assert first.describe() == f"load {archive} as {TAG}"
+    assert plan_load(d, obs(stored=frozenset({"2.0"}))).actions[0] != first  # stored: no image
+
+
 BLOCK_TABLE = [
     (
         "held by a foreign module",

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from kvcd.host import podbuild, podtypes, tarstream
-from kvcd.host import podman as pm
 from kvcd.host.podbuild import context_kind
 from kvcd.host.podman import Podman
 from kvcd.host.podtypes import INSTANCE_LABEL, ImageInfo, PodmanError, PodmanUnavailable
@@ -197,11 +196,11 @@ def test_remote_context_is_what_podman_clones(context: str, remote: str) -> None
 
 
 def test_split_ref() -> None:
-    assert pm._split_ref("localhost/kvcd/drv:1.2") == ("localhost/kvcd/drv", "1.2")
-    assert pm._split_ref("reg:5000/drv") == ("reg:5000/drv", "latest")
-    assert pm._split_ref("reg:5000/drv:v1") == ("reg:5000/drv", "v1")
+    assert podtypes.split_ref("localhost/kvcd/drv:1.2") == ("localhost/kvcd/drv", "1.2")
+    assert podtypes.split_ref("reg:5000/drv") == ("reg:5000/drv", "latest")
+    assert podtypes.split_ref("reg:5000/drv:v1") == ("reg:5000/drv", "v1")
     with pytest.raises(PodmanError, match="digest"):
-        pm._split_ref("reg/drv@sha256:" + "0" * 64)
+        podtypes.split_ref("reg/drv@sha256:" + "0" * 64)
 
 
 def test_timestamp() -> None:
@@ -216,12 +215,12 @@ def test_timestamp() -> None:
 
 def test_protected() -> None:
     info = ImageInfo("ab" * 32, ("localhost/x:1",), {INSTANCE_LABEL: "x"}, 0.0)
-    assert pm._protected(info, {"ab" * 32})
-    assert pm._protected(info, {"sha256:" + "ab" * 32})
-    assert pm._protected(info, {"ab" * 6})
-    assert not pm._protected(info, {"ab"})  # too short to mean one image
-    assert pm._protected(info, ["localhost/x:1"])
-    assert not pm._protected(info, ["localhost/x:2"])
+    assert podtypes.protected(info, {"ab" * 32})
+    assert podtypes.protected(info, {"sha256:" + "ab" * 32})
+    assert podtypes.protected(info, {"ab" * 6})
+    assert not podtypes.protected(info, {"ab"})  # too short to mean one image
+    assert podtypes.protected(info, ["localhost/x:1"])
+    assert not podtypes.protected(info, ["localhost/x:2"])
 
 
 def test_build_log_joins_partial_lines_and_finds_the_image_id() -> None:
