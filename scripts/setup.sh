@@ -14,6 +14,8 @@ APT_PACKAGES=(
   systemd
   # the VM guest for end-to-end tests (make e2e / make demo)
   qemu-system-x86 qemu-utils debootstrap cpio e2fsprogs
+  # the guest registry's TLS certificates (run-guest.sh; scenarios_registry.py)
+  openssl
   # RPM build and lint
   rpm rpmlint
   # python venv

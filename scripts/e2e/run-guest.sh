@@ -106,6 +106,19 @@ fi
 echo "$KVER" >"$P/kver"
 echo "$INSTALL" >"$P/install-method"
 [ -z "$KVER2" ] || echo "$KVER2" >"$P/kver2"
+# A CA and a certificate for localhost signed by it: the guest's TLS registry
+# (scenarios_registry.py). Made per run, valid two days; the guest has no openssl.
+mkdir -p "$P/registry"
+(
+    cd "$P/registry"
+    ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+    openssl req -x509 "${ec[@]}" -days 2 -subj "/CN=kvcd e2e CA" -keyout ca.key -out ca.crt
+    openssl req "${ec[@]}" -subj "/CN=localhost" -keyout tls.key -out tls.csr
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >ext.cnf
+    openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 \
+        -extfile ext.cnf -out tls.crt
+    rm -f ca.key tls.csr ext.cnf ca.srl
+) >"$OUT/registry-tls.log" 2>&1 || step_failed "$OUT/registry-tls.log" "making the registry's TLS certificates failed"
 if [ "$INSTALL" = rpm ]; then
     # kvcd as the RPMs built from this checkout ship it. Unpacked here, on the host, with
     # rpm2cpio | cpio: the host has the rpm tools (they build the package) and the Debian guest
