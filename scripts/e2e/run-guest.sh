@@ -139,7 +139,10 @@ if [ "$INSTALL" = rpm ]; then
         rpm -qp --qf '[%{FILENAMES}\t%{FILEMODES:octal}\t%{FILEDIGESTS}\t%{FILEFLAGS:fflags}\n]' \
             "$rpmf" >"$P/rpm/$name.files.tsv"
         rpm -qp --qf '%{FILEDIGESTALGO}\n' "$rpmf" >"$P/rpm/$name.digestalgo"
-        rpm -qp --qf '%{POSTIN}' "$rpmf" | sed '/^(none)$/d' >"$P/rpm/$name.post"
+        # The scriptlets, as the guest's rpmpayload.py runs them for an install and an erase.
+        for s in POSTIN:post PREUN:preun POSTUN:postun; do
+            rpm -qp --qf "%{${s%%:*}}" "$rpmf" | sed '/^(none)$/d' >"$P/rpm/$name.${s#*:}"
+        done
         rpm -qp --qf '%{NEVRA}\n' "$rpmf" >"$P/rpm/$name.nevra"
     done
     [ -f "$P/rpm/kvcd.files.tsv" ] || die "no kvcd RPM in $OUT/rpm"

@@ -308,6 +308,9 @@ def test_scriptlets_are_the_systemd_macros(built: Built) -> None:
     # Erase purges every instance (README "Remove an instance, or kvcd"), never failing it.
     assert "kvcd purge --all || echo" in s["preun"]
     assert s["preun"].index("systemctl stop 'kvcd@*.service'") < s["preun"].index("kvcd purge")
+    # Enabled instances are disabled by name (the macro's '%%f' expanded to find's '%f').
+    assert "-name 'kvcd@?*.service' -printf '%f\\n'" in s["preun"], s["preun"]
+    assert "xargs -r systemctl --no-reload disable || :" in s["preun"]
     assert "rm -rf /var/lib/kvcd /run/kvcd" in s["postun"]
     assert "ls -A /var/lib/kvcd/instances" in s["postun"]
     assert "[ $1 -ge 1 ]" in s["postun"]

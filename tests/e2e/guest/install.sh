@@ -24,54 +24,8 @@ method=$(cat "$P/install-method" 2>/dev/null || echo wheel)
 
 shopt -s nullglob
 if [ "$method" = rpm ]; then
-    python3 - "$P/rpm" <<'PY'
-import os, pathlib, shutil, stat, sys
-rpm = pathlib.Path(sys.argv[1])
-root = rpm / "root"
-sitelibs = set()
-for tsv in sorted(rpm.glob("*.files.tsv")):
-    n = 0
-    for line in tsv.read_text().splitlines():
-        path, mode_s, _digest, flags = (line.split("\t") + ["", "", ""])[:4]
-        mode = int(mode_s, 8)
-        if "g" in flags:  # %ghost: owned by the package, not in its payload
-            continue
-        src, dst = root / path.lstrip("/"), pathlib.Path(path)
-        if stat.S_ISDIR(mode):
-            dst.mkdir(parents=True, exist_ok=True)
-            os.chmod(dst, stat.S_IMODE(mode))
-        elif stat.S_ISLNK(mode):
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if dst.is_symlink() or dst.exists():
-                dst.unlink()
-            os.symlink(os.readlink(src), dst)
-        else:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".rpmnew-e2e")
-            shutil.copyfile(src, tmp)
-            os.chmod(tmp, stat.S_IMODE(mode))
-            # rpm keeps the payload's mtimes: the shipped bytecode is checked against them.
-            st = os.stat(src)
-            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-            os.replace(tmp, dst)
-        n += 1
-        if path.endswith("/kvcd/__init__.py"):
-            sitelibs.add(str(pathlib.Path(path).parent.parent))
-    print(f"installed {n} entries of {tsv.name.removesuffix('.files.tsv')}")
-# Fedora's python3 has /usr/lib/python3.X/site-packages (the RPM's %{python3_sitelib}) on
-# sys.path; Debian's python3 does not, so point it there with a .pth file.
-want = f"/usr/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"
-if sitelibs != {want}:
-    sys.exit(f"the RPM puts kvcd in {sorted(sitelibs)}, this guest's python3 reads {want}")
-pth = pathlib.Path("/usr/lib/python3/dist-packages/kvcd-rpm-sitelib.pth")
-pth.write_text(want + "\n")
-print(f"{pth}: {want}")
-PY
-    for post in "$P"/rpm/*.post; do
-        [ -s "$post" ] || continue
-        echo "running %post of $(basename "$post" .post) (\$1 = 1)"
-        bash -e "$post" 1
-    done
+    # The files of the RPMs' file lists, then each %post with $1 = 1 (rpmpayload.py).
+    python3 "$P/guest/rpmpayload.py" install "$P/rpm"
     echo "installed $(cat "$P"/rpm/*.nevra | paste -sd' ') from the RPM payload"
 else
     wheels=("$P"/wheels/kvcd-*.whl)
