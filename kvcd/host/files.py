@@ -161,20 +161,20 @@ def _must_be_regular(fd: int, path: Path) -> None:
 def open_regular(path: Path) -> BinaryIO:
     """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
     exist, Refused for a symlink or a special file (without blocking on a FIFO)."""
-    fd = _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        _must_be_regular(fd, path)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+    return _as_regular(
+        _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path
+    )
 
 
 def open_input(path: Path) -> BinaryIO:
     """A file the admin hands kvcd (an image archive, not kvcd's own: symlinks are followed),
     open for reading: FileNotFoundError when it does not exist, Refused for a directory or a
     special file, without blocking on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _as_regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), path)
+
+
+def _as_regular(fd: int, path: Path) -> BinaryIO:
+    """fd as a file object if it is a regular file; else closed, and Refused."""
     try:
         _must_be_regular(fd, path)
         return os.fdopen(fd, "rb")

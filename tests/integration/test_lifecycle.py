@@ -180,6 +180,22 @@ def _save(podman_service: Any, ref: str, dest: Path) -> Path:
     return dest
 
 
+def _built_and_saved(
+    node: Node, podman: Podman, podman_service: Any, name: str, dest: Path
+) -> tuple[str, str]:
+    """kvcd@name 1.0 built on a connected node and saved to dest; then its image and store
+    removed, as on a node that has only the archive. Its tag and image id."""
+    node.instance(name, "1.0")
+    assert node.kvcd("build", name) == 0
+    tag = f"localhost/kvcd-{name}-1.0:{node.kernel}"
+    built = podman.get_image(tag)
+    assert built is not None
+    _save(podman_service, tag, dest)
+    podman.remove_image(built.id)
+    shutil.rmtree(node.root.store(name))
+    return tag, built.id
+
+
 def _pin(node: Node, name: str, archive: str) -> None:
     fakehost.write_config(
         node.root,
@@ -191,17 +207,10 @@ def _pin(node: Node, name: str, archive: str) -> None:
 def test_pinned_archive_is_loaded_never_pulled_or_built(
     node: Node, podman: Podman, podman_service: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A connected node built kvcd@ag 1.0 and saved it; this node has only the archive.
-    node.instance("ag", "1.0")
-    assert node.kvcd("build", "ag") == 0
-    tag = f"localhost/kvcd-ag-1.0:{node.kernel}"
     archives = node.tmp / "archives"
     archives.mkdir()
-    built = podman.get_image(tag)
-    assert built is not None
-    _save(podman_service, tag, archives / f"ag-1.0-{node.kernel}.tar")
-    podman.remove_image(built.id)
-    shutil.rmtree(node.root.store("ag"))
+    dest = archives / f"ag-1.0-{node.kernel}.tar"
+    tag, built = _built_and_saved(node, podman, podman_service, "ag", dest)
     _pin(node, "ag", f"{archives}/ag-{{version}}-{{kernel}}.tar")
 
     capsys.readouterr()
@@ -209,7 +218,7 @@ def test_pinned_archive_is_loaded_never_pulled_or_built(
     assert f"load {archives}/ag-1.0-{node.kernel}.tar as {tag}" in capsys.readouterr().out
     assert node.kvcd("build", "ag") == 0
     loaded = podman.get_image(tag)
-    assert loaded is not None and loaded.id == built.id  # the archive's image, not a rebuild
+    assert loaded is not None and loaded.id == built  # the archive's image, not a rebuild
     manifest = node.root.store("ag") / "1.0" / node.kernel / ".kvcd-manifest.json"
     assert json.loads(manifest.read_text())["image"] == tag
 
@@ -260,19 +269,13 @@ def test_an_archive_kvcd_cannot_use_is_import_failed_naming_it(
 def test_image_import_gives_an_instance_its_image_without_a_build(
     node: Node, podman: Podman, podman_service: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    node.instance("imp", "1.0")
-    assert node.kvcd("build", "imp") == 0
-    tag = f"localhost/kvcd-imp-1.0:{node.kernel}"
-    built = podman.get_image(tag)
-    assert built is not None
-    archive = _save(podman_service, tag, node.tmp / "imp.tar")
-    podman.remove_image(built.id)
-    shutil.rmtree(node.root.store("imp"))
+    archive = node.tmp / "imp.tar"
+    tag, built = _built_and_saved(node, podman, podman_service, "imp", archive)
 
     capsys.readouterr()
     assert node.kvcd("image", "import", "imp", str(archive)) == 0
     out = capsys.readouterr().out
-    assert out == f"{archive}: image {built.id[:12]} is {tag}: kvcd@imp 1.0 on {node.kernel}\n"
+    assert out == f"{archive}: image {built[:12]} is {tag}: kvcd@imp 1.0 on {node.kernel}\n"
     # The build context is gone: only the imported image can make this build succeed.
     shutil.rmtree(node.tmp / "ctx-imp-1.0")
     assert node.kvcd("build", "imp") == 0
