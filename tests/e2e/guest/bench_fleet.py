@@ -31,6 +31,7 @@ from kvcdguest import (
     proc_modules,
     record_timing,
     sh,
+    unit_prop,
 )
 
 KVER = os.uname().release
@@ -44,10 +45,6 @@ def name(mod: str) -> str:
 
 
 UNITS = [f"kvcd@{name(m)}.service" for m in FLEET]
-
-
-def prop(unit: str, key: str) -> str:
-    return sh(["systemctl", "show", "-P", key, unit]).stdout.strip()
 
 
 def configure() -> None:
@@ -103,13 +100,13 @@ def test_f1_twenty_instances_at_once() -> None:
             assert st and st.get("state") == "Done", (mod, st)
         rss, tasks, restarts = [], [], 0
         for unit in UNITS:
-            pid = int(prop(unit, "MainPID"))
+            pid = int(unit_prop("MainPID", unit))
             status = dict(
                 line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
             )
             rss.append(int(status["VmRSS"].split()[0]) / 1024)
             tasks.append(int(status["Threads"]))
-            restarts += int(prop(unit, "NRestarts") or 0)
+            restarts += int(unit_prop("NRestarts", unit) or 0)
         sh(["systemctl", "stop", *UNITS], timeout=BUILD_TIMEOUT)
         assert not set(FLEET) & set(proc_modules()), "a fleet module stayed loaded after stop"
     finally:

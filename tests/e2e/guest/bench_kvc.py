@@ -49,6 +49,7 @@ from kvcdguest import (
     record_timing,
     set_instance,
     sh,
+    unit_prop,
 )
 
 ROUNDS = 5
@@ -68,7 +69,7 @@ TABLE: list[tuple[str, str]] = []
 
 
 def prop(unit: str, name: str) -> int:
-    return int(sh(["systemctl", "show", "-P", name, unit]).stdout.strip() or 0)
+    return int(unit_prop(name, unit) or 0)
 
 
 def now_us() -> int:
@@ -210,7 +211,7 @@ def test_k4_where_kvcds_start_goes() -> None:
     sh(["systemctl", "daemon-reload"])
     try:
         start_once(NATIVE_UNIT)
-        invocation = sh(["systemctl", "show", "-P", "InvocationID", NATIVE_UNIT]).stdout.strip()
+        invocation = unit_prop("InvocationID", NATIVE_UNIT)
         stop(NATIVE_UNIT)
     finally:
         IMPORT_DROPIN.unlink()

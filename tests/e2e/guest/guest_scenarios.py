@@ -33,6 +33,7 @@ from kvcdguest import (
     set_instance,
     sh,
     state_is,
+    unit_prop,
     wait_for,
 )
 
@@ -116,11 +117,11 @@ def test_kvcd_from_rpm_payload() -> None:
     shim = "/usr/bin/kmods-via-containers"
     assert shutil.which("kmods-via-containers") == shim and shim in _rpm_files("kvcd-kvc-compat")
     # The unit systemd loads for the instance is the package's (no copy in /etc).
-    frag = sh(["systemctl", "show", "-P", "FragmentPath", UNIT]).stdout.strip()
+    frag = unit_prop("FragmentPath", UNIT)
     assert os.path.realpath(frag) == "/usr/lib/systemd/system/kvcd@.service", frag
     assert "/usr/lib/systemd/system/kvcd@.service" in kvcd_files
     assert not Path("/etc/systemd/system/kvcd@.service").exists()
-    dropins = sh(["systemctl", "show", "-P", "DropInPaths", UNIT]).stdout
+    dropins = unit_prop("DropInPaths", UNIT)
     assert "kvcd" not in dropins, dropins
     # The interpreter behind /usr/bin/kvcd imports kvcd from the RPM's files.
     p = sh(["python3", "-c", "import kvcd, kvcd.cli; print(kvcd.__file__)"])

@@ -56,6 +56,11 @@ def sh(
     return p
 
 
+def unit_prop(name: str, unit: str = UNIT) -> str:
+    """A property of a unit (`systemctl show -P`); "" when systemctl cannot say."""
+    return sh(["systemctl", "show", "-P", name, unit], check=False).stdout.strip()
+
+
 def active(unit: str = UNIT) -> bool:
     return sh(["systemctl", "is-active", unit], check=False).stdout.strip() == "active"
 

@@ -41,6 +41,7 @@ from kvcdguest import (
     record_timing,
     request_reset,
     sh,
+    unit_prop,
     wait_for,
 )
 
@@ -54,7 +55,7 @@ ORIGINAL = STATE_DIR / "reset-original.toml"
 
 def started_at() -> float:
     """CLOCK_MONOTONIC seconds when the unit left "inactive" in this boot."""
-    us = sh(["systemctl", "show", "-P", "InactiveExitTimestampMonotonic", UNIT]).stdout.strip()
+    us = unit_prop("InactiveExitTimestampMonotonic", UNIT)
     return int(us or 0) / 1e6
 
 

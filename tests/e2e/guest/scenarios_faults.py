@@ -57,6 +57,7 @@ from kvcdguest import (
     set_instance,
     sh,
     state_is,
+    unit_prop,
     wait_for,
 )
 
@@ -76,8 +77,7 @@ TABLE: list[tuple[str, str, str, float]] = []
 def running() -> bool:
     """The daemon is up: active, or still starting (a first start that backs off sends READY=1
     only once it succeeded)."""
-    out = sh(["systemctl", "show", "-P", "ActiveState", UNIT], check=False).stdout.strip()
-    return out in ("active", "activating", "reloading")
+    return unit_prop("ActiveState") in ("active", "activating", "reloading")
 
 
 def now() -> str:

@@ -48,6 +48,7 @@ from kvcdguest import (
     proc_modules,
     sh,
     state_is,
+    unit_prop,
     wait_for,
 )
 
@@ -201,10 +202,6 @@ def test_n3_cluster_drain_handshake() -> None:
     sh(["kvcd", "annotate", "kvcd.io/drain-current-"])
 
 
-def unit_state() -> str:
-    return sh(["systemctl", "show", "-P", "ActiveState", UNIT], check=False).stdout.strip()
-
-
 def test_n4_unload_policy_never_keeps_the_module_loaded() -> None:
     write_instance("2.0", modules=("kvcd_base",), unload="never")
     sh(["kvcd", "label", f"{LABEL}=2.0"])
@@ -214,7 +211,8 @@ def test_n4_unload_policy_never_keeps_the_module_loaded() -> None:
     assert "on stop: unload_policy = never (modules stay loaded)" in text, text
 
     sh(["systemctl", "stop", UNIT], timeout=600)
-    assert unit_state() == "inactive", unit_state()  # stopped cleanly, not failed
+    state = unit_prop("ActiveState")
+    assert state == "inactive", state  # stopped cleanly, not failed
     assert "kvcd_base" in loaded()  # kept
     j = sh(["journalctl", "-u", UNIT, "-n", "30", "--no-pager"]).stdout
     assert "modules stay loaded (unload_policy = never)" in j, j
@@ -234,13 +232,13 @@ def test_n5_unload_policy_drain_waits_for_drain_complete_on_stop() -> None:
     sh(["systemctl", "stop", "--no-block", UNIT])
     wait_for(lambda: annotations().get("kvcd.io/drain") == "Drain_Required", 120, "drain requested")
     assert (annotations().get(f"kvcd.io/{NAME}.drain") or "").startswith("Drain_Required boot=")
-    assert unit_state() == "deactivating", unit_state()
+    assert unit_prop("ActiveState") == "deactivating", unit_prop("ActiveState")
     assert "kvcd_base" in loaded()  # nothing unloaded before the drain completed
 
     # The drain controller: the workload goes, then it answers.
     sh(["rmmod", "kvcd_user"])
     sh(["kvcd", "annotate", "kvcd.io/drain-current=DrainComplete"])
-    wait_for(lambda: unit_state() == "inactive", 120, f"{UNIT} stopped")
+    wait_for(lambda: unit_prop("ActiveState") == "inactive", 120, f"{UNIT} stopped")
     assert "kvcd_base" not in loaded()
     a = annotations()
     assert a.get("kvcd.io/drain") == "Idle" and f"kvcd.io/{NAME}.drain" not in a, a

@@ -34,6 +34,7 @@ from kvcdguest import (
     record_timing,
     sh,
     state_is,
+    unit_prop,
     wait_for,
 )
 
@@ -56,10 +57,6 @@ def _table() -> object:
 def figure(name: str, seconds: float, key: str) -> None:
     TABLE.append((name, f"{seconds * 1000:.0f} ms"))
     record_timing(key, seconds)
-
-
-def prop(unit: str, name: str) -> str:
-    return sh(["systemctl", "show", "-P", name, unit]).stdout.strip()
 
 
 def loaded_at_us(since_us: int) -> int:
@@ -88,8 +85,8 @@ def test_p1_start_live_ready() -> None:
         sh(["systemctl", "stop", UNIT], timeout=600)
         assert not any(m in Path("/proc/modules").read_text() for m in MODS)
         sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
-        exec_us = int(prop(UNIT, "ExecMainStartTimestampMonotonic"))
-        ready_us = int(prop(UNIT, "ActiveEnterTimestampMonotonic"))
+        exec_us = int(unit_prop("ExecMainStartTimestampMonotonic", UNIT))
+        ready_us = int(unit_prop("ActiveEnterTimestampMonotonic", UNIT))
         live_us = loaded_at_us(exec_us)
         assert exec_us < live_us <= ready_us, (exec_us, live_us, ready_us)
         live.append((live_us - exec_us) / 1e6)
@@ -217,7 +214,7 @@ def test_p4_daemon_tasks_and_rss() -> None:
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
     wait_for(state_is("Done"), BUILD_TIMEOUT, "Done after the restart")
     time.sleep(20)
-    pid = int(prop(UNIT, "MainPID"))
+    pid = int(unit_prop("MainPID", UNIT))
     status = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
     )

@@ -42,6 +42,7 @@ from kvcdguest import (
     record_timing,
     sh,
     state_is,
+    unit_prop,
     wait_for,
 )
 
@@ -52,12 +53,8 @@ INSTANCES = Path("/etc/kvcd/instances")
 RUNTIME_DROPIN = Path(f"/run/systemd/system/{UNIT}.d/60-e2e-watchdog.conf")
 
 
-def prop(name: str, unit: str = UNIT) -> str:
-    return sh(["systemctl", "show", "-P", name, unit]).stdout.strip()
-
-
 def main_pid() -> int:
-    return int(prop("MainPID"))
+    return int(unit_prop("MainPID"))
 
 
 def settle_done() -> dict[str, Any]:
@@ -103,8 +100,8 @@ def test_y1_generator_writes_depends_dropins_despite_a_broken_instance() -> None
         assert f"Requires=kvcd@{INSTANCE}.service" in text, text
         assert f"After=kvcd@{INSTANCE}.service" in text, text
         # systemd itself reads it: the dependency is part of the loaded unit.
-        assert f"kvcd@{INSTANCE}.service" in prop("Requires", f"kvcd@{DEP}.service").split()
-        assert f"kvcd@{INSTANCE}.service" in prop("After", f"kvcd@{DEP}.service").split()
+        assert f"kvcd@{INSTANCE}.service" in unit_prop("Requires", f"kvcd@{DEP}.service").split()
+        assert f"kvcd@{INSTANCE}.service" in unit_prop("After", f"kvcd@{DEP}.service").split()
         assert not (GENERATED / f"kvcd@{BAD}.service.d").exists()
         # The broken file is named in the generator's output (the journal), not silently dropped.
         gen_log = ["journalctl", "-b", "--no-pager", "-o", "cat", "-t", "kvcd-generator"]
@@ -117,7 +114,7 @@ def test_y1_generator_writes_depends_dropins_despite_a_broken_instance() -> None
 
 
 def test_y2_status_text_is_what_systemctl_status_shows() -> None:
-    text = prop("StatusText")
+    text = unit_prop("StatusText")
     assert text.startswith(f"Done: {INSTANCE}"), text
     out = sh(["systemctl", "status", "--no-pager", "--full", "-n", "0", UNIT], check=False).stdout
     assert f'Status: "{text}"' in out, out
@@ -128,7 +125,7 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     sh(["systemctl", "reload", UNIT], timeout=600)
     assert main_pid() == pid, "systemctl reload restarted the daemon"
-    assert prop("ActiveState") == "active"
+    assert unit_prop("ActiveState") == "active"
     settle_done()
 
     good = INSTANCE_FILE.read_text()
@@ -138,12 +135,14 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
     try:
         p = sh(["systemctl", "reload", UNIT], check=False, timeout=600)
         assert p.returncode != 0, "a reload with an invalid config exited 0"
-        assert main_pid() == pid and prop("ActiveState") == "active"
+        assert main_pid() == pid and unit_prop("ActiveState") == "active"
         st = wait_for(state_is("Degraded"), 120, "Degraded after the bad reload")
         assert st["reason"].startswith("ConfigInvalid:"), st
         assert "no_such_key" in st["reason"], st
         assert loaded(), "a bad config unloaded the running driver"
-        assert prop("StatusText").startswith("Degraded: ConfigInvalid"), prop("StatusText")
+        assert unit_prop("StatusText").startswith("Degraded: ConfigInvalid"), unit_prop(
+            "StatusText"
+        )
         # The journal fields are queryable exactly as the README shows.
         q = sh(
             [
@@ -173,12 +172,14 @@ def test_y4_watchdog_is_fed_and_a_hung_daemon_is_restarted() -> None:
     sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "restart", UNIT], timeout=900)
     settle_done()
-    assert prop("WatchdogUSec") == "20s", prop("WatchdogUSec")
+    assert unit_prop("WatchdogUSec") == "20s", unit_prop("WatchdogUSec")
     pid = main_pid()
-    first = int(prop("WatchdogTimestampMonotonic"))
+    first = int(unit_prop("WatchdogTimestampMonotonic"))
     time.sleep(50)  # 2.5 x WatchdogSec: without pings systemd would have killed it by now
-    assert main_pid() == pid and prop("ActiveState") == "active"
-    assert int(prop("WatchdogTimestampMonotonic")) > first, "no WATCHDOG=1 ping reached systemd"
+    assert main_pid() == pid and unit_prop("ActiveState") == "active"
+    assert int(unit_prop("WatchdogTimestampMonotonic")) > first, (
+        "no WATCHDOG=1 ping reached systemd"
+    )
 
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     os.kill(pid, signal.SIGSTOP)
