@@ -13,7 +13,9 @@ In order, stopping at the first refusal so that nothing is half-removed:
 5. its node annotations (`<prefix>/<stem>.*`; a drain claim withdrawn recomputes the node-wide
    request, a failed next kernel withdrawn the OS-update gate); the label an admin set for it
    (ordered upgrade) stays;
-6. its driver images (labelled `io.kvcd.instance=NAME`).
+6. its driver images: those labelled `io.kvcd.instance=NAME` (its builds), and those its
+   extracted versions name (pulled or loaded from an archive: they carry no kvcd label), unless
+   labelled for another instance.
 
 The admin's configuration (/etc/kvcd/instances/NAME.toml, /etc/kvc/NAME.conf) stays. A purge
 that could not finish (podman or the node unreachable) says what is left; running it again
@@ -174,13 +176,28 @@ def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
     return None
 
 
-def _images(settings: Settings, name: str, podman: Callable[[], Podman] | None) -> str | None:
+def _stored_images(root: HostRoot, name: str) -> set[str]:
+    """The image tags the instance's extracted versions were taken from."""
+    from kvcd.daemon import store
+
+    manifests = (store.read_manifest(t) for t in store.trees(root, name))
+    return {m.image for m in manifests if m is not None and m.image}
+
+
+def _images(
+    settings: Settings, name: str, tags: set[str], podman: Callable[[], Podman] | None
+) -> str | None:
     from kvcd.host.podman import Podman
-    from kvcd.host.podtypes import PodmanError, PodmanUnavailable
+    from kvcd.host.podtypes import INSTANCE_LABEL, PodmanError, PodmanUnavailable
 
     client = podman() if podman is not None else Podman(settings.podman_socket)
     try:
-        for img in client.list_instance_images(name):
+        found = list(client.list_instance_images(name))
+        for tag in sorted(tags):
+            img = client.get_image(tag)
+            if img is not None and img.labels.get(INSTANCE_LABEL, name) == name:
+                found.append(img)
+        for img in {i.id: i for i in found}.values():
             client.remove_image(img.id)
             log.info("removed image %s", ", ".join(img.tags) or img.id[:12])
     except (PodmanError, PodmanUnavailable) as exc:
@@ -206,6 +223,7 @@ def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None)
     with files.locked(root.instance_lock(name)):
         for kernel in _module_trees(root, name):
             log.info("%s: removed from kernel %s's module tree", name, kernel)
+        tags = _stored_images(root, name)  # before the store goes: pulled images' tags
         if store.exists():
             shutil.rmtree(store)
         firmware_left = _firmware(root, name)
@@ -218,9 +236,10 @@ def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None)
     why = _node(root, settings, name)
     if why is not None:
         left.append(f"node annotations {settings.annotation_prefix}/{stem(name)}.*: {why}")
-    why = _images(settings, name, podman)
+    why = _images(settings, name, tags, podman)
     if why is not None:
-        left.append(f"images labelled io.kvcd.instance={name}: {why}")
+        named = f" and {', '.join(sorted(tags))}" if tags else ""
+        left.append(f"images labelled io.kvcd.instance={name}{named}: {why}")
     return left
 
 

@@ -15,6 +15,7 @@ from kvcd.daemon import purge as pg
 from kvcd.daemon.record import Record
 from kvcd.host import procs
 from kvcd.host.paths import HostRoot
+from kvcd.host.podtypes import ImageInfo
 from kvcd.node.filebackend import node_file
 from tests import fakehost
 from tests.unit.test_instance import FakePodman, K, instance_host
@@ -204,3 +205,23 @@ def test_purge_all_takes_every_configured_or_recorded_instance(
 
 def _with_podman(real: Any, pod: FakePodman) -> Any:
     return lambda root, name, podman=None: real(root, name, podman=lambda: pod)
+
+
+def test_images_it_pulled_or_loaded_go_too_unless_another_instance_built_them(
+    host: HostRoot,
+) -> None:
+    """A pulled or archive-loaded image carries no kvcd label: the store's manifests name it."""
+    pod = Pod(host, K)
+    load(host, pod, "e2e")
+    (built,) = [i for i in pod.images.values() if i.labels.get("io.kvcd.instance") == "e2e"]
+    pulled = ImageInfo("id-pulled", built.tags, {}, 0.0)  # as pulled: no kvcd label
+    pod.images = {built.tags[0]: pulled}
+    assert pg.purge(host, "e2e", podman=lambda: pod) == []
+    assert pod.images == {}
+
+    load(host, pod, "e2e")
+    tag = next(iter(pod.images))
+    foreign = ImageInfo("id-other", (tag,), {"io.kvcd.instance": "E2E"}, 0.0)  # Foo vs foo
+    pod.images = {tag: foreign}
+    assert pg.purge(host, "e2e", podman=lambda: pod) == []
+    assert pod.images == {tag: foreign}  # another instance's build under a colliding tag stays

@@ -11,7 +11,9 @@ disable the enabled ones, `kvcd purge --all`), its files (a changed %config file
      metrics), then erased: no kvcd@ unit active or enabled, none of its modules loaded, no image
      labelled io.kvcd.instance, /var/lib/kvcd and /run/kvcd gone, no file of either package
      left, and nothing with "kvcd" in its path under /usr, /etc, /var or /run except the
-     admin's files in /etc/kvcd (and the test harness's own, *kvcd-e2e*).
+     admin's (files in /etc, unit drop-ins) and the test harness's own. That scan includes
+     podman's storage: a driver image kvcd pulled or loaded from an archive (no kvcd label;
+     scenarios_registry leaves e2e-reg's) must be gone too.
 (e2) Installed again from the same payload: e2e-kmod starts and is Done (the reboot scenarios
      after this file run on it).
 """
@@ -82,11 +84,12 @@ def test_e1_erase_leaves_only_the_admins_configuration() -> None:
     assert f"kvcd.io/{INSTANCE}.state" in node["annotations"], node
     owned = package_files()
     # The admin's: what is under /etc and not the packages' (instance configs, credentials,
-    # unit drop-ins), but not an enabled instance's symlink (the erase disables it).
+    # unit drop-ins), and runtime drop-ins under /run/systemd/system (systemctl --runtime, the
+    # harness's crash points), but not an enabled instance's symlink (the erase disables it).
     admins = {
         p
         for p in with_kvcd_in_path()
-        if p.startswith("/etc/") and p not in owned and ".wants/" not in p
+        if p.startswith(("/etc/", "/run/systemd/system/")) and p not in owned and ".wants/" not in p
     }
     assert "/etc/kvcd/instances/e2e-kmod.toml" in admins, sorted(admins)
 
