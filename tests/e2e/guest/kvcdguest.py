@@ -56,8 +56,9 @@ def sh(
     return p
 
 
-def unit_prop(name: str, unit: str = UNIT) -> str:
-    """A property of a unit (`systemctl show -P`); "" when systemctl cannot say."""
+def unit_prop(name: str, unit: str) -> str:
+    """A property of a unit (`systemctl show -P`); "" when systemctl cannot say. The unit has
+    no default: a scenario file with its own instance must not read e2e-kmod's by accident."""
     return sh(["systemctl", "show", "-P", name, unit], check=False).stdout.strip()
 
 

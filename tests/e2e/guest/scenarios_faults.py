@@ -77,7 +77,7 @@ TABLE: list[tuple[str, str, str, float]] = []
 def running() -> bool:
     """The daemon is up: active, or still starting (a first start that backs off sends READY=1
     only once it succeeded)."""
-    return unit_prop("ActiveState") in ("active", "activating", "reloading")
+    return unit_prop("ActiveState", UNIT) in ("active", "activating", "reloading")
 
 
 def now() -> str:

@@ -211,7 +211,7 @@ def test_n4_unload_policy_never_keeps_the_module_loaded() -> None:
     assert "on stop: unload_policy = never (modules stay loaded)" in text, text
 
     sh(["systemctl", "stop", UNIT], timeout=600)
-    state = unit_prop("ActiveState")
+    state = unit_prop("ActiveState", UNIT)
     assert state == "inactive", state  # stopped cleanly, not failed
     assert "kvcd_base" in loaded()  # kept
     j = sh(["journalctl", "-u", UNIT, "-n", "30", "--no-pager"]).stdout
@@ -232,13 +232,13 @@ def test_n5_unload_policy_drain_waits_for_drain_complete_on_stop() -> None:
     sh(["systemctl", "stop", "--no-block", UNIT])
     wait_for(lambda: annotations().get("kvcd.io/drain") == "Drain_Required", 120, "drain requested")
     assert (annotations().get(f"kvcd.io/{NAME}.drain") or "").startswith("Drain_Required boot=")
-    assert unit_prop("ActiveState") == "deactivating", unit_prop("ActiveState")
+    assert unit_prop("ActiveState", UNIT) == "deactivating", unit_prop("ActiveState", UNIT)
     assert "kvcd_base" in loaded()  # nothing unloaded before the drain completed
 
     # The drain controller: the workload goes, then it answers.
     sh(["rmmod", "kvcd_user"])
     sh(["kvcd", "annotate", "kvcd.io/drain-current=DrainComplete"])
-    wait_for(lambda: unit_prop("ActiveState") == "inactive", 120, f"{UNIT} stopped")
+    wait_for(lambda: unit_prop("ActiveState", UNIT) == "inactive", 120, f"{UNIT} stopped")
     assert "kvcd_base" not in loaded()
     a = annotations()
     assert a.get("kvcd.io/drain") == "Idle" and f"kvcd.io/{NAME}.drain" not in a, a

@@ -54,7 +54,7 @@ RUNTIME_DROPIN = Path(f"/run/systemd/system/{UNIT}.d/60-e2e-watchdog.conf")
 
 
 def main_pid() -> int:
-    return int(unit_prop("MainPID"))
+    return int(unit_prop("MainPID", UNIT))
 
 
 def settle_done() -> dict[str, Any]:
@@ -114,7 +114,7 @@ def test_y1_generator_writes_depends_dropins_despite_a_broken_instance() -> None
 
 
 def test_y2_status_text_is_what_systemctl_status_shows() -> None:
-    text = unit_prop("StatusText")
+    text = unit_prop("StatusText", UNIT)
     assert text.startswith(f"Done: {INSTANCE}"), text
     out = sh(["systemctl", "status", "--no-pager", "--full", "-n", "0", UNIT], check=False).stdout
     assert f'Status: "{text}"' in out, out
@@ -125,7 +125,7 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
     since = time.strftime("%Y-%m-%d %H:%M:%S")
     sh(["systemctl", "reload", UNIT], timeout=600)
     assert main_pid() == pid, "systemctl reload restarted the daemon"
-    assert unit_prop("ActiveState") == "active"
+    assert unit_prop("ActiveState", UNIT) == "active"
     settle_done()
 
     good = INSTANCE_FILE.read_text()
@@ -135,14 +135,13 @@ def test_y3_reload_keeps_the_process_and_a_bad_config_fails_the_reload() -> None
     try:
         p = sh(["systemctl", "reload", UNIT], check=False, timeout=600)
         assert p.returncode != 0, "a reload with an invalid config exited 0"
-        assert main_pid() == pid and unit_prop("ActiveState") == "active"
+        assert main_pid() == pid and unit_prop("ActiveState", UNIT) == "active"
         st = wait_for(state_is("Degraded"), 120, "Degraded after the bad reload")
         assert st["reason"].startswith("ConfigInvalid:"), st
         assert "no_such_key" in st["reason"], st
         assert loaded(), "a bad config unloaded the running driver"
-        assert unit_prop("StatusText").startswith("Degraded: ConfigInvalid"), unit_prop(
-            "StatusText"
-        )
+        text = unit_prop("StatusText", UNIT)
+        assert text.startswith("Degraded: ConfigInvalid"), text
         # The journal fields are queryable exactly as the README shows.
         q = sh(
             [
@@ -172,12 +171,12 @@ def test_y4_watchdog_is_fed_and_a_hung_daemon_is_restarted() -> None:
     sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "restart", UNIT], timeout=900)
     settle_done()
-    assert unit_prop("WatchdogUSec") == "20s", unit_prop("WatchdogUSec")
+    assert unit_prop("WatchdogUSec", UNIT) == "20s", unit_prop("WatchdogUSec", UNIT)
     pid = main_pid()
-    first = int(unit_prop("WatchdogTimestampMonotonic"))
+    first = int(unit_prop("WatchdogTimestampMonotonic", UNIT))
     time.sleep(50)  # 2.5 x WatchdogSec: without pings systemd would have killed it by now
-    assert main_pid() == pid and unit_prop("ActiveState") == "active"
-    assert int(unit_prop("WatchdogTimestampMonotonic")) > first, (
+    assert main_pid() == pid and unit_prop("ActiveState", UNIT) == "active"
+    assert int(unit_prop("WatchdogTimestampMonotonic", UNIT)) > first, (
         "no WATCHDOG=1 ping reached systemd"
     )
 
