@@ -10,14 +10,11 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from kvcd.host.paths import HostRoot
-
-if TYPE_CHECKING:  # imported where used: `kvcd status` must not pay for the config loader
-    from kvcd.config.model import InstanceConfig, Settings
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70  # 70: EX_SOFTWARE
 
@@ -34,7 +31,154 @@ _PURGE = "stop, unload and remove everything kvcd keeps for an instance"
 _PREPARE = "make instances ready for a kernel before it boots (the kernel-install plugin)"
 
 
-def _parser() -> argparse.ArgumentParser:
+def _instance(
+    sp: argparse.ArgumentParser, *, dry_run: bool = False, kernel: bool = False
+) -> argparse.ArgumentParser:
+    sp.add_argument("instance", metavar="NAME")
+    if kernel:
+        sp.add_argument(
+            "--kernel", metavar="KVER", help="kernel release (default: the running one)"
+        )
+    if dry_run:
+        sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    return sp
+
+
+def _reload(sp: argparse.ArgumentParser) -> None:
+    _instance(sp).add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds to wait for the result (default: 1800, the unit's TimeoutStartSec)",
+    )
+
+
+def _status_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("instance", metavar="NAME", nargs="?")
+    sp.add_argument("--json", action="store_true")
+
+
+def _check_config_args(sp: argparse.ArgumentParser) -> None:
+    grp = sp.add_mutually_exclusive_group(required=True)
+    grp.add_argument("instance", metavar="NAME", nargs="?")
+    grp.add_argument("--all", action="store_true")
+    sp.add_argument("--kernel", metavar="KVER")
+
+
+def _capabilities_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument(
+        "--explain", metavar="NAME", help="show how instance NAME's image variant is chosen"
+    )
+    sp.add_argument("--kernel", metavar="KVER", help="describe kernel KVER, not the running one")
+
+
+def _kabi_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "target",
+        metavar="NAME|PATH.ko",
+        help="instance (its newest extracted modules) or a module file (not under --root)",
+    )
+    sp.add_argument("--kernel", metavar="KVER", required=True, help="kernel release to check")
+    sp.add_argument("--json", action="store_true")
+
+
+def _node_edit_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
+
+
+def _one_or_all(what: str, *, kernel: bool = False) -> Callable[[argparse.ArgumentParser], None]:
+    def add(sp: argparse.ArgumentParser) -> None:
+        group = sp.add_mutually_exclusive_group(required=True)
+        group.add_argument("instance", metavar="NAME", nargs="?")
+        group.add_argument("--all", action="store_true", help=what)
+        if kernel:
+            sp.add_argument("--kernel", metavar="KVER", required=True, help="the kernel release")
+
+    return add
+
+
+def _metrics_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("instance", metavar="NAME", nargs="?")
+    sp.add_argument(
+        "--write",
+        action="store_true",
+        help="write metrics_dir/kvcd-NAME.prom (node_exporter's textfile collector) instead",
+    )
+
+
+def _image_args(sp: argparse.ArgumentParser) -> None:
+    verbs = sp.add_subparsers(dest="image_verb", required=True, metavar="VERB")
+    ip = verbs.add_parser(
+        "import",
+        help="load a driver image archive (`podman save` output) as NAME's image: air-gapped nodes",
+    )
+    ip.add_argument("instance", metavar="NAME")
+    ip.add_argument("archive", metavar="ARCHIVE", help="docker-archive or oci-archive file")
+    ip.add_argument("--kernel", metavar="KVER", help="kernel release (default: the running one)")
+
+
+def _wrapper_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("instance", metavar="NAME")
+    sp.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
+    sp.add_argument("--kernel", metavar="KVER")
+
+
+# Verb -> (its help line, what adds its arguments), in `kvcd --help`'s order.
+_VERBS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object]]] = {
+    "run": ("run as the kvcd@NAME.service main process", _instance),
+    "build": (
+        "build (or pull) the driver image and extract its modules",
+        partial(_instance, dry_run=True, kernel=True),
+    ),
+    "load": (
+        "build if needed, then load and verify the modules",
+        partial(_instance, dry_run=True, kernel=True),
+    ),
+    "unload": (
+        "unload the modules in reverse order and verify they are gone",
+        partial(_instance, dry_run=True),
+    ),
+    "reload": ("ask the running kvcd@NAME to re-read its config and reconcile", _reload),
+    "status": ("state of every instance (or one)", _status_args),
+    "check-config": ("validate instance configuration offline", _check_config_args),
+    "capabilities": (
+        "the node's capabilities (GEP-33) for image variants",
+        _capabilities_args,
+    ),
+    "kabi": ("would an instance's modules (or a .ko) load on kernel KVER?", _kabi_args),
+    "label": ("set (KEY=VALUE) or remove (KEY-) node labels in the node file", _node_edit_args),
+    "annotate": (
+        "set (KEY=VALUE) or remove (KEY-) node annotations in the node file",
+        _node_edit_args,
+    ),
+    "purge": (_PURGE, _one_or_all("every configured or recorded instance")),
+    "prepare": (_PREPARE, _one_or_all("every configured instance", kernel=True)),
+    "metrics": ("every instance's metrics (or one's), Prometheus text", _metrics_args),
+    "image": ("driver images on this node", _image_args),
+    "wrapper": ("run a command from the instance's driver image", _wrapper_args),
+}
+
+
+def _named_verb(argv: Sequence[str]) -> str | None:
+    """The verb argv names (the first word that is not an option or --root's value), if kvcd
+    has it; None otherwise (help, a typo, no verb)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--root":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in _VERBS else None
+        elif word in ("-h", "--help"):
+            return None
+    return None
+
+
+def _parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """kvcd's parser. Given argv that names a verb, with that verb alone: every verb's parser
+    costs its share of a `kvcd status` (#20), and the verb's own parse, its errors and its
+    help are the same either way (tests/unit/test_cli.py compares them). Otherwise (`kvcd`,
+    `kvcd --help`, a typo) with every verb, so the usage lists them all."""
     p = _Parser(
         prog="kvcd", description="Deliver out-of-tree kernel modules through driver containers."
     )
@@ -45,108 +189,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-
-    def instance_verb(
-        name: str, help_text: str, *, dry_run: bool = False, kernel: bool = False
-    ) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_text)
-        sp.add_argument("instance", metavar="NAME")
-        if kernel:
-            sp.add_argument(
-                "--kernel", metavar="KVER", help="kernel release (default: the running one)"
-            )
-        if dry_run:
-            sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
-        return sp
-
-    instance_verb("run", "run as the kvcd@NAME.service main process")
-    instance_verb(
-        "build",
-        "build (or pull) the driver image and extract its modules",
-        dry_run=True,
-        kernel=True,
-    )
-    instance_verb(
-        "load", "build if needed, then load and verify the modules", dry_run=True, kernel=True
-    )
-    instance_verb(
-        "unload", "unload the modules in reverse order and verify they are gone", dry_run=True
-    )
-    rl = instance_verb("reload", "ask the running kvcd@NAME to re-read its config and reconcile")
-    rl.add_argument(
-        "--timeout",
-        type=float,
-        default=1800.0,
-        help="seconds to wait for the result (default: 1800, the unit's TimeoutStartSec)",
-    )
-    st = sub.add_parser("status", help="state of every instance (or one)")
-    st.add_argument("instance", metavar="NAME", nargs="?")
-    st.add_argument("--json", action="store_true")
-    cc = sub.add_parser("check-config", help="validate instance configuration offline")
-    grp = cc.add_mutually_exclusive_group(required=True)
-    grp.add_argument("instance", metavar="NAME", nargs="?")
-    grp.add_argument("--all", action="store_true")
-    cc.add_argument("--kernel", metavar="KVER")
-    cp = sub.add_parser("capabilities", help="the node's capabilities (GEP-33) for image variants")
-    cp.add_argument("--json", action="store_true")
-    cp.add_argument(
-        "--explain", metavar="NAME", help="show how instance NAME's image variant is chosen"
-    )
-    cp.add_argument("--kernel", metavar="KVER", help="describe kernel KVER, not the running one")
-    kb = sub.add_parser("kabi", help="would an instance's modules (or a .ko) load on kernel KVER?")
-    kb.add_argument(
-        "target",
-        metavar="NAME|PATH.ko",
-        help="instance (its newest extracted modules) or a module file (not under --root)",
-    )
-    kb.add_argument("--kernel", metavar="KVER", required=True, help="kernel release to check")
-    kb.add_argument("--json", action="store_true")
-    for verb, what in (("label", "labels"), ("annotate", "annotations")):
-        nv = sub.add_parser(
-            verb, help=f"set (KEY=VALUE) or remove (KEY-) node {what} in the node file"
-        )
-        nv.add_argument("edits", nargs="*", metavar="KEY=VALUE|KEY-", help="none: list them")
-    for verb, what, helptext in (
-        ("purge", "every configured or recorded instance", _PURGE),
-        ("prepare", "every configured instance", _PREPARE),
-    ):
-        vp = sub.add_parser(verb, help=helptext)
-        group = vp.add_mutually_exclusive_group(required=True)
-        group.add_argument("instance", metavar="NAME", nargs="?")
-        group.add_argument("--all", action="store_true", help=what)
-    vp.add_argument("--kernel", metavar="KVER", required=True, help="the kernel release")
-    mt = sub.add_parser("metrics", help="every instance's metrics (or one's), Prometheus text")
-    mt.add_argument("instance", metavar="NAME", nargs="?")
-    mt.add_argument(
-        "--write",
-        action="store_true",
-        help="write metrics_dir/kvcd-NAME.prom (node_exporter's textfile collector) instead",
-    )
-    _image_verbs(sub)
-    wr = sub.add_parser("wrapper", help="run a command from the instance's driver image")
-    wr.add_argument("instance", metavar="NAME")
-    wr.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD")
-    wr.add_argument("--kernel", metavar="KVER")
+    only = None if argv is None else _named_verb(argv)
+    for verb, (help_text, add_args) in _VERBS.items():
+        if only is None or verb == only:
+            add_args(sub.add_parser(verb, help=help_text))
     return p
-
-
-def _image_verbs(sub: Any) -> None:
-    im = sub.add_parser("image", help="driver images on this node")
-    verbs = im.add_subparsers(dest="image_verb", required=True, metavar="VERB")
-    ip = verbs.add_parser(
-        "import",
-        help="load a driver image archive (`podman save` output) as NAME's image: air-gapped nodes",
-    )
-    ip.add_argument("instance", metavar="NAME")
-    ip.add_argument("archive", metavar="ARCHIVE", help="docker-archive or oci-archive file")
-    ip.add_argument("--kernel", metavar="KVER", help="kernel release (default: the running one)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Exit 0 ok, 1 failed (including a host error: one line naming the path and the
     cause, never a traceback), 2 bad usage or configuration, 70 a bug in kvcd (one line; the
     traceback with -v or KVCD_DEBUG=1), 130 interrupted."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(argv).parse_args(argv)
     from kvcd.config.model import ConfigError
     from kvcd.core import names
     from kvcd.host.journal import setup_logging
@@ -260,7 +315,9 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
             print(f"kvcd: {exc}", file=sys.stderr)
             return EXIT_USAGE
     if verb == "check-config":
-        return _check_config(
+        from kvcd.daemon.checkconfig import check_config_command
+
+        return check_config_command(
             root, list_instances(root) if args.all else [args.instance], args.kernel
         )
     if verb == "run":
@@ -322,143 +379,6 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     progress.done()
     return EXIT_OK
-
-
-def _check_config(root: HostRoot, names: list[str], kernel: str | None) -> int:
-    from kvcd.config.loader import load_settings
-    from kvcd.config.rules import KVC_GLOBAL
-    from kvcd.daemon.observe import host_for
-    from kvcd.daemon.record import KernelUnknown, running_kernel
-    from kvcd.host.pylibs import check_settings, locate
-
-    settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
-    check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
-    if os.path.lexists(root.kvc_conf(KVC_GLOBAL)):  # load_settings checked it
-        print(f"{root.kvc_conf(KVC_GLOBAL)}: ok (KVC's node-wide conf: container runtime podman)")
-    if not names:
-        print("no instances configured")
-        return EXIT_OK
-    root = host_for(root, settings)
-    if kernel is None:
-        try:
-            kernel = running_kernel(root)
-        except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
-            kernel = None
-    node = _Node(root)
-    bad = sum(not _check_one(node, settings, name, kernel) for name in names)
-    return EXIT_USAGE if bad else EXIT_OK
-
-
-class _Node:
-    """What check-config reads of every instance, read once per run: each config (checking N
-    instances against their neighbours would load every config N times) and the modules each
-    instance holds now."""
-
-    def __init__(self, root: HostRoot) -> None:
-        from kvcd.config.loader import list_instances
-        from kvcd.daemon.instance import held_modules
-
-        self.root = root
-        self.names = list_instances(root)
-        self.held = held_modules(root)
-        self._configs: dict[str, InstanceConfig | Exception] = {}
-
-    def config(self, name: str) -> InstanceConfig:
-        """The instance's config; its ConfigError, every time it is asked for."""
-        from kvcd.config.loader import load_instance
-        from kvcd.config.model import ConfigError
-
-        if name not in self._configs:
-            try:
-                self._configs[name] = load_instance(self.root, name)
-            except ConfigError as exc:
-                self._configs[name] = exc
-        got = self._configs[name]
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-
-def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> bool:
-    """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
-    from kvcd.config.model import ConfigError
-    from kvcd.core.state import StepFailed
-    from kvcd.daemon.instance import Instance
-    from kvcd.daemon.upgrade import check_upgrade_label
-    from kvcd.host import regauth
-
-    root = node.root
-    try:
-        cfg = node.config(name)
-        check_upgrade_label(cfg, settings)
-        regauth.check(root, cfg, settings)
-    except ConfigError as exc:
-        print(f"{name}: INVALID: {exc}")
-        return False
-    problem, warnings = _neighbours(node, cfg, kernel)
-    if problem:
-        print(f"{name}: INVALID: {problem}")
-        return False
-    print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
-    for line in warnings:
-        print(f"  warning: {line}")
-    print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
-    if not kernel:
-        return True
-    inst = Instance(root, settings, cfg, kernel)
-    if inst.cfg.variant is not None:
-        print(f"  image variant for this node: {inst.cfg.variant}")
-    if inst.no_variant is not None:
-        print(f"  {name}: NO PLAN: {inst.no_variant}")
-        return False
-    try:
-        planned = inst.plan("load")
-    except StepFailed as exc:
-        print(f"  {name}: NO PLAN: {exc}")
-        return False
-    print(f"  plan for {kernel}:")
-    for line in planned.describe():
-        print(f"    {line}")
-    from kvcd.daemon.images import archive_problem
-
-    problem = archive_problem(planned)
-    if problem:
-        print(f"  {name}: NO IMAGE: {problem}")
-    return not problem
-
-
-def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
-    """What another instance makes impossible for this one: the error ("" when none) when
-    another holds one of its modules or would use its image tag; a warning per other configured
-    instance that lists some of its modules (only one of them can be running)."""
-    from kvcd.config.model import ConfigError
-    from kvcd.core import owners, state
-
-    name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
-    held = owners.shared(name, modules, {o: m for o, m in node.held.items() if o != name})
-    if held:
-        return f"{state.MODULE_OWNED}: {owners.describe(name, held)}", []
-    others: dict[str, InstanceConfig] = {}
-    for other in node.names:
-        if other != name:
-            try:
-                others[other] = node.config(other)
-            except ConfigError:  # said where that instance is checked
-                continue
-    if kernel:
-        tag = cfg.image_tag(kernel)
-        clash = sorted(o for o, c in others.items() if c.image_tag(kernel) == tag)
-        if clash:
-            return f"image tag {tag} is also instance {clash[0]}'s: rename one of them", []
-    found: dict[str, list[str]] = {}
-    claims = {o: [m.kernel_name for m in c.modules] for o, c in others.items()}
-    for s in owners.shared(name, modules, claims):
-        found.setdefault(s.other, []).append(s.module)
-    return "", [
-        f"{', '.join(mods)} also listed by instance {other}: one owner per module, only one "
-        "of the two can be running"
-        for other, mods in found.items()
-    ]
 
 
 class _Progress:

@@ -204,7 +204,7 @@ def _words(line: str) -> list[str]:
 
 def check_kvcd_argv(where: str, argv: list[str]) -> None:
     try:
-        cli._parser().parse_args(argv)
+        cli._parser(argv).parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"{where}: `kvcd {' '.join(argv)}` is refused by kvcd's parser (exit {exc})")
 

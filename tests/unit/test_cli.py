@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 
+from kvcd import cli
 from kvcd.cli import main
 from kvcd.host.paths import HostRoot
 from tests import fakehost
@@ -212,3 +216,80 @@ def test_a_bug_is_one_line_and_exit_70_unless_the_traceback_is_asked_for(
         "kvcd: internal error: KeyError: 'slot' "
         "(a bug in kvcd; run again with -v or KVCD_DEBUG=1 for the traceback)\n"
     )
+
+
+# Parsing with the named verb's parser alone (#20) must be parsing with all of them: the same
+# namespace, or the same exit code and the same words on stderr.
+PARSES = [
+    ["status"],
+    ["status", "e2e", "--json"],
+    ["--root", "/x", "-v", "status"],
+    ["--root=/x", "check-config", "--all"],
+    ["--root", "status", "status"],  # a root named like a verb
+    ["check-config", "e2e", "--kernel", K],
+    ["check-config"],  # its group is required
+    ["check-config", "e2e", "--all"],
+    ["capabilities", "--json", "--explain", "e2e"],
+    ["kabi", "x.ko"],  # --kernel is required
+    ["kabi", "e2e", "--kernel", K, "--json"],
+    ["run", "e2e"],
+    ["build", "e2e", "--dry-run", "--kernel", K],
+    ["load", "e2e", "--bogus"],
+    ["unload", "e2e", "--dry-run"],
+    ["reload", "e2e", "--timeout", "5"],
+    ["reload", "e2e", "--timeout", "soon"],
+    ["label", "a=b", "c-"],
+    ["annotate"],
+    ["purge", "--all"],
+    ["prepare", "e2e", "--kernel", K],
+    ["prepare", "--all"],
+    ["metrics", "--write"],
+    ["image", "import", "e2e", "/a.tar", "--kernel", K],
+    ["image"],
+    ["wrapper", "e2e", "modinfo", "-F", "version", "x"],
+    ["status", "--help"],
+    ["image", "import", "--help"],
+]
+
+
+def _parse(argv: list[str], parser: argparse.ArgumentParser) -> object:
+    err = io.StringIO()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            return vars(parser.parse_args(argv))
+    except SystemExit as exc:
+        return (exc.code, err.getvalue(), out.getvalue())
+
+
+@pytest.mark.parametrize("argv", PARSES, ids=" ".join)
+def test_the_named_verbs_parser_alone_parses_as_the_whole_one(argv: list[str]) -> None:
+    assert cli._named_verb(argv) is not None
+    assert _parse(argv, cli._parser(argv)) == _parse(argv, cli._parser())
+
+
+@pytest.mark.parametrize(
+    ("argv", "verb"),
+    [
+        (["status"], "status"),
+        (["-v", "--root", "/r", "status"], "status"),
+        (["--root", "status", "load", "x"], "load"),
+        (["--root=/r", "purge", "--all"], "purge"),
+        (["stauts"], None),  # a typo: the whole parser, so the error lists every verb
+        (["--help", "status"], None),
+        (["-h"], None),
+        ([], None),
+    ],
+)
+def test_named_verb(argv: list[str], verb: str | None) -> None:
+    assert cli._named_verb(argv) == verb
+
+
+def test_usage_without_a_verb_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["stauts"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'stauts'" in err
+    for verb in cli._VERBS:
+        assert f"'{verb}'" in err

@@ -1,0 +1,150 @@
+"""`kvcd check-config`: every instance's config checked offline (its keys, its module owners,
+its image tag against its neighbours', its registry credentials), and with a kernel its plan.
+Reads and prints; changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvcd.config.model import InstanceConfig, Settings
+from kvcd.host.paths import HostRoot
+
+
+def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -> int:
+    """`kvcd check-config NAME|--all [--kernel K]`: exit 0 every instance is ok, 2 some is not
+    (or kvcd.toml is not)."""
+    from kvcd.config.loader import load_settings
+    from kvcd.config.rules import KVC_GLOBAL
+    from kvcd.daemon.observe import host_for
+    from kvcd.daemon.record import KernelUnknown, running_kernel
+    from kvcd.host.pylibs import check_settings, locate
+
+    settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
+    check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
+    if os.path.lexists(root.kvc_conf(KVC_GLOBAL)):  # load_settings checked it
+        print(f"{root.kvc_conf(KVC_GLOBAL)}: ok (KVC's node-wide conf: container runtime podman)")
+    if not names:
+        print("no instances configured")
+        return 0
+    root = host_for(root, settings)
+    if kernel is None:
+        try:
+            kernel = running_kernel(root)
+        except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
+            kernel = None
+    node = _Node(root)
+    bad = sum(not _check_one(node, settings, name, kernel) for name in names)
+    return 2 if bad else 0
+
+
+class _Node:
+    """What check-config reads of every instance, read once per run: each config (checking N
+    instances against their neighbours would load every config N times) and the modules each
+    instance holds now."""
+
+    def __init__(self, root: HostRoot) -> None:
+        from kvcd.config.loader import list_instances
+        from kvcd.daemon.instance import held_modules
+
+        self.root = root
+        self.names = list_instances(root)
+        self.held = held_modules(root)
+        self._configs: dict[str, InstanceConfig | Exception] = {}
+
+    def config(self, name: str) -> InstanceConfig:
+        """The instance's config; its ConfigError, every time it is asked for."""
+        from kvcd.config.loader import load_instance
+        from kvcd.config.model import ConfigError
+
+        if name not in self._configs:
+            try:
+                self._configs[name] = load_instance(self.root, name)
+            except ConfigError as exc:
+                self._configs[name] = exc
+        got = self._configs[name]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> bool:
+    """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
+    from kvcd.config.model import ConfigError
+    from kvcd.core.state import StepFailed
+    from kvcd.daemon.instance import Instance
+    from kvcd.daemon.upgrade import check_upgrade_label
+    from kvcd.host import regauth
+
+    root = node.root
+    try:
+        cfg = node.config(name)
+        check_upgrade_label(cfg, settings)
+        regauth.check(root, cfg, settings)
+    except ConfigError as exc:
+        print(f"{name}: INVALID: {exc}")
+        return False
+    problem, warnings = _neighbours(node, cfg, kernel)
+    if problem:
+        print(f"{name}: INVALID: {problem}")
+        return False
+    print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
+    for line in warnings:
+        print(f"  warning: {line}")
+    print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
+    if not kernel:
+        return True
+    inst = Instance(root, settings, cfg, kernel)
+    if inst.cfg.variant is not None:
+        print(f"  image variant for this node: {inst.cfg.variant}")
+    if inst.no_variant is not None:
+        print(f"  {name}: NO PLAN: {inst.no_variant}")
+        return False
+    try:
+        planned = inst.plan("load")
+    except StepFailed as exc:
+        print(f"  {name}: NO PLAN: {exc}")
+        return False
+    print(f"  plan for {kernel}:")
+    for line in planned.describe():
+        print(f"    {line}")
+    from kvcd.daemon.images import archive_problem
+
+    problem = archive_problem(planned)
+    if problem:
+        print(f"  {name}: NO IMAGE: {problem}")
+    return not problem
+
+
+def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
+    """What another instance makes impossible for this one: the error ("" when none) when
+    another holds one of its modules or would use its image tag; a warning per other configured
+    instance that lists some of its modules (only one of them can be running)."""
+    from kvcd.config.model import ConfigError
+    from kvcd.core import owners, state
+
+    name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
+    held = owners.shared(name, modules, {o: m for o, m in node.held.items() if o != name})
+    if held:
+        return f"{state.MODULE_OWNED}: {owners.describe(name, held)}", []
+    others: dict[str, InstanceConfig] = {}
+    for other in node.names:
+        if other != name:
+            try:
+                others[other] = node.config(other)
+            except ConfigError:  # said where that instance is checked
+                continue
+    if kernel:
+        tag = cfg.image_tag(kernel)
+        clash = sorted(o for o, c in others.items() if c.image_tag(kernel) == tag)
+        if clash:
+            return f"image tag {tag} is also instance {clash[0]}'s: rename one of them", []
+    found: dict[str, list[str]] = {}
+    claims = {o: [m.kernel_name for m in c.modules] for o, c in others.items()}
+    for s in owners.shared(name, modules, claims):
+        found.setdefault(s.other, []).append(s.module)
+    return "", [
+        f"{', '.join(mods)} also listed by instance {other}: one owner per module, only one "
+        "of the two can be running"
+        for other, mods in found.items()
+    ]
