@@ -273,7 +273,7 @@ class Drain(Extension):
                 "%s: %s",
                 kind,
                 record.reason,
-                extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
+                extra=journal.with_message_id(fields, journal.MSG_DEGRADED)
                 if kind == hs.REBOOT_REQUIRED
                 else fields,
             )

@@ -161,7 +161,7 @@ class DriftMonitor(Extension):
                 "drift: %s; periodic checks only (every %ss)",
                 why,
                 self.settings.drift_interval,
-                extra={**self.ctx.fields, "MESSAGE_ID": journal.MSG_DRIFT_PERIODIC},
+                extra=journal.with_message_id(self.ctx.fields, journal.MSG_DRIFT_PERIODIC),
             )
         self.limited = why or "inotify watch limit"
 
@@ -277,7 +277,7 @@ class DriftMonitor(Extension):
             "drift: force file %s consumed: re-applying %s's files from its image",
             path,
             ctx.name,
-            extra={**ctx.fields, "MESSAGE_ID": journal.MSG_DRIFT_FORCED},
+            extra=journal.with_message_id(ctx.fields, journal.MSG_DRIFT_FORCED),
         )
         drop_applied(ctx.root, ctx.name, self.cfg.version, ctx.kernel, ctx.fields)
         self._forced = True
@@ -324,7 +324,7 @@ class DriftMonitor(Extension):
         if self.drifted:
             log.info(
                 "drift resolved: the files match again",
-                extra={**ctx.fields, "MESSAGE_ID": journal.MSG_DRIFT_RESOLVED},
+                extra=journal.with_message_id(ctx.fields, journal.MSG_DRIFT_RESOLVED),
             )
             self.drifted = ""
         self._reload = False
@@ -389,7 +389,7 @@ class DriftMonitor(Extension):
                 "%s; %s",
                 reason,
                 "reloading (on_external_unload = reload)" if finding.reload else "not reloading",
-                extra={**ctx.fields, "MESSAGE_ID": journal.MSG_MODULE_EXTERNAL},
+                extra=journal.with_message_id(ctx.fields, journal.MSG_MODULE_EXTERNAL),
             )
         self.module_reason = reason
         if finding.reload:

@@ -106,9 +106,6 @@ class Executor:
             self._podman = self._podman_factory()
         return self._podman
 
-    def _event(self, level: int, message_id: str, msg: str, *args: object) -> None:
-        log.log(level, msg, *args, extra={**self.fields, "MESSAGE_ID": message_id})
-
     def _params(self, name: str) -> tuple[tuple[str, str], ...]:
         if self._params_by_name is None:  # a rollback asks per module: one scan, not one each
             self._params_by_name = {}
@@ -273,7 +270,7 @@ class Executor:
         except kmod.ModuleLoadError as exc:
             raise StepFailed(state.LOAD_FAILED, f"{name}: {exc.reason}") from exc
         self._verify((name,), loaded=True)
-        self._event(logging.INFO, journal.MSG_LOADED, "loaded %s", name)
+        log.info("loaded %s", name, extra=journal.with_message_id(self.fields, journal.MSG_LOADED))
 
     def _resolves_to_own(self, name: str) -> str | None:
         """The module tree must resolve `name` to this instance's own file (returned). When
@@ -318,7 +315,9 @@ class Executor:
         except kmod.KmodError as exc:
             raise StepFailed(state.UNLOAD_FAILED, str(exc)) from exc
         self._verify((name,), loaded=False)
-        self._event(logging.INFO, journal.MSG_UNLOADED, "unloaded %s", name)
+        log.info(
+            "unloaded %s", name, extra=journal.with_message_id(self.fields, journal.MSG_UNLOADED)
+        )
 
     def _verify(self, names: tuple[str, ...], loaded: bool) -> None:
         for name in names:

@@ -46,9 +46,6 @@ class Images:
     on_build_line: Callable[[str], None]
     fields: Mapping[str, str]
 
-    def _event(self, level: int, message_id: str, msg: str, *args: object) -> None:
-        log.log(level, msg, *args, extra={**self.fields, "MESSAGE_ID": message_id})
-
     def acquire(self, a: act.AcquireImage) -> bool:
         """Make a.tag exist; True when it was cached already (a cache hit, not a build)."""
         from kvcd.host.podtypes import PodmanUnavailable
@@ -159,8 +156,11 @@ class Images:
             },
             labels=imagelabels.labels(self.cfg, self.kernel),
         )
-        self._event(
-            logging.INFO, journal.MSG_BUILD_STARTED, "build of %s started from %s", tag, context
+        log.info(
+            "build of %s started from %s",
+            tag,
+            context,
+            extra=journal.with_message_id(self.fields, journal.MSG_BUILD_STARTED),
         )
         if context.startswith("git://"):
             log.warning(
@@ -178,9 +178,18 @@ class Images:
         try:
             self.podman().build(spec, line)
         except PodmanError as exc:
-            self._event(logging.ERROR, journal.MSG_BUILD_FAILED, "build of %s failed: %s", tag, exc)
+            log.error(
+                "build of %s failed: %s",
+                tag,
+                exc,
+                extra=journal.with_message_id(self.fields, journal.MSG_BUILD_FAILED),
+            )
             raise StepFailed(state.BUILD_FAILED, str(exc)) from exc
-        self._event(logging.INFO, journal.MSG_BUILD_FINISHED, "build of %s finished", tag)
+        log.info(
+            "build of %s finished",
+            tag,
+            extra=journal.with_message_id(self.fields, journal.MSG_BUILD_FINISHED),
+        )
 
     # -- housekeeping --------------------------------------------------------------------------
     def collect(self, keep: int) -> None:

@@ -224,7 +224,9 @@ def _enter(
     }
     if new_state == state.DEGRADED:
         log.error(
-            "degraded: %s", record.reason, extra={**fields, "MESSAGE_ID": journal.MSG_DEGRADED}
+            "degraded: %s",
+            record.reason,
+            extra=journal.with_message_id(fields, journal.MSG_DEGRADED),
         )
     else:
         log.info(

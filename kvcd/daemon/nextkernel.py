@@ -214,7 +214,7 @@ class NextKernel(Extension):
             "modules for %s were prepared before the reboot (%s); no build",
             ctx.kernel,
             rec.next_kernel_reason,
-            extra={**fields, "MESSAGE_ID": journal.MSG_NEXT_KERNEL_PREPARED},
+            extra=journal.with_message_id(fields, journal.MSG_NEXT_KERNEL_PREPARED),
         )
 
     def wants_idle(self) -> bool:
@@ -323,7 +323,7 @@ class NextKernel(Extension):
                     text,
                     outcome.kernel,
                     outcome.reason,
-                    extra={**fields, "MESSAGE_ID": message_id},
+                    extra=journal.with_message_id(fields, message_id),
                 )
         return outcome
 

@@ -94,6 +94,11 @@ RESERVED_FIELDS = frozenset(
 _FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 
+def with_message_id(fields: Mapping[str, str], message_id: str) -> dict[str, str]:
+    """A log call's `extra`: the instance's journal fields and the event's stable MESSAGE_ID."""
+    return {**fields, "MESSAGE_ID": message_id}
+
+
 def valid_field_name(name: str) -> bool:
     """A name a client may send: A-Z, 0-9 and _, not starting with _ or a digit, <= 64 chars."""
     return _FIELD_NAME.fullmatch(name) is not None
