@@ -129,7 +129,12 @@ def make_host(root: HostRoot, kernel: str) -> None:
 
 
 def store_version(
-    root: HostRoot, instance: str, version: str, kernel: str, modules: list[str]
+    root: HostRoot,
+    instance: str,
+    version: str,
+    kernel: str,
+    modules: list[str],
+    image: str = "test",
 ) -> Path:
     """An already extracted version in kvcd's store, as the executor leaves it."""
     d = root.store(instance) / version / kernel
@@ -138,7 +143,7 @@ def store_version(
     for name in modules:
         (d / f"{name}.ko").write_bytes(f"{name} {version}".encode())
         entries[name] = {"file": f"{name}.ko", "srcversion": f"{name}-{version}"}
-    manifest = {"version": version, "kernel": kernel, "image": "test", "modules": entries}
+    manifest = {"version": version, "kernel": kernel, "image": image, "modules": entries}
     (d / ".kvcd-manifest.json").write_text(json.dumps(manifest))
     return d
 

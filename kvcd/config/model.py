@@ -146,7 +146,7 @@ class InstanceConfig:
         name = tag_safe(self.name)
         if self.variant is not None:
             name += f"-{tag_safe(self.variant)}"
-        return f"localhost/kvcd-{name}-{tag_safe(self.version)}:{tag_safe(kernel)}"
+        return f"{KVCD_TAG_PREFIX}{name}-{tag_safe(self.version)}:{tag_safe(kernel)}"
 
     def path_in_image(self, kernel: str) -> str:
         return self.modules_path.replace("{kernel}", kernel)
@@ -205,6 +205,15 @@ class Settings:
 
 
 _TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+# Every image name kvcd gives (InstanceConfig.image_tag) starts so: the names are kvcd's.
+KVCD_TAG_PREFIX = "localhost/kvcd-"
+
+
+def is_kvcd_tag(ref: str) -> bool:
+    """Whether `ref` is a name kvcd gives (localhost/kvcd-NAME-VERSION:KERNEL)."""
+    return ref.startswith(KVCD_TAG_PREFIX) and "/" not in ref[len(KVCD_TAG_PREFIX) :]
 
 
 def tag_safe(text: str) -> str:

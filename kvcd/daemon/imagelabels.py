@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
-from kvcd.config.model import InstanceConfig
+from kvcd.config.model import InstanceConfig, is_kvcd_tag
+
+if TYPE_CHECKING:
+    from kvcd.host.podman import Podman
 
 
 def _inputs(cfg: InstanceConfig, kernel: str) -> str:
@@ -51,3 +55,32 @@ def not_ours(cfg: InstanceConfig, kernel: str, image_labels: Mapping[str, str]) 
         if image_labels.get(k) != want[k]
     ]
     return f"for {', '.join(wrong)}" if wrong else None
+
+
+def release(client: Podman, name: str, tags: Collection[str]) -> list[str]:
+    """Give back the images `tags` name: the names kvcd gave the images it built, pulled or
+    loaded for instance `name` (its store's manifests say which). One line per image.
+
+    Another instance's build under one of these names (its label says so: names can collide,
+    `Foo` and `foo`) is left alone. An image with another kvcd name (the same image pulled for
+    another instance, or for another kernel) only loses these names. Any other image goes
+    whole, with the registry name kvcd pulled it by. Raises PodmanError, PodmanUnavailable or
+    ImageInUse."""
+    from kvcd.host.podtypes import INSTANCE_LABEL
+
+    out = []
+    for tag in sorted(tags):
+        info = client.get_image(tag)
+        if info is None:  # gone, or removed with an earlier name
+            continue
+        owner = info.labels.get(INSTANCE_LABEL, name)
+        others = [t for t in info.tags if is_kvcd_tag(t) and t not in tags]
+        if owner != name:  # a colliding name (`Foo` and `foo`): that instance's, untouched
+            out.append(f"kept {tag}: instance {owner}'s build")
+        elif others:
+            client.tag(info.id, tag, untag=True)
+            out.append(f"untagged {tag} (image {info.id[:12]} is also {others[0]})")
+        else:
+            client.remove_image(info.id)
+            out.append(f"removed image {', '.join(info.tags)}")
+    return out

@@ -26,7 +26,7 @@ from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
-from kvcd.daemon import metrics, storegc
+from kvcd.daemon import imagelabels, metrics, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, writing
@@ -331,9 +331,25 @@ class NextKernel(Extension):
         """Drop the store trees the kernel updates left behind (kvcd/daemon/storegc.py)."""
         keep = self.outcome.kernel if self.outcome is not None else None
         try:
-            storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None)
+            storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None, self._release(ctx))
         except Exception:  # clean-up must never take the daemon down
             log.exception("store clean-up failed", extra={**ctx.fields, "KVCD_INSTANCE": ctx.name})
+
+    def _release(self, ctx: Context) -> Callable[[set[str]], list[str]]:
+        """What gives back the images of the trees the clean-up removes (imagelabels.release);
+        podman's failure is logged, the trees go all the same."""
+
+        def release(tags: set[str]) -> list[str]:
+            from kvcd.host.podtypes import PodmanError, PodmanUnavailable
+
+            try:
+                with self.podman() as client:
+                    return imagelabels.release(client, ctx.name, tags)
+            except (PodmanError, PodmanUnavailable) as exc:
+                log.warning("images of removed trees kept: %s", exc, extra=ctx.fields)
+                return []
+
+        return release
 
     def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
         """Put the outcome into the record the service holds and into the state file. That

@@ -14,8 +14,9 @@ In order, stopping at the first refusal so that nothing is half-removed:
    request, a failed next kernel withdrawn the OS-update gate); the label an admin set for it
    (ordered upgrade) stays;
 6. its driver images: those labelled `io.kvcd.instance=NAME` (its builds), and those its
-   extracted versions name (pulled or loaded from an archive: they carry no kvcd label), unless
-   labelled for another instance.
+   extracted versions name (pulled or loaded from an archive: they carry no kvcd label) as
+   imagelabels.release gives them back: another instance's build stays, an image another
+   instance also names only loses this instance's names.
 
 The admin's configuration (/etc/kvcd/instances/NAME.toml, /etc/kvc/NAME.conf) stays. A purge
 that could not finish (podman or the node unreachable) says what is left; running it again
@@ -187,19 +188,17 @@ def _stored_images(root: HostRoot, name: str) -> set[str]:
 def _images(
     settings: Settings, name: str, tags: set[str], podman: Callable[[], Podman] | None
 ) -> str | None:
+    from kvcd.daemon import imagelabels
     from kvcd.host.podman import Podman
-    from kvcd.host.podtypes import INSTANCE_LABEL, PodmanError, PodmanUnavailable
+    from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
     client = podman() if podman is not None else Podman(settings.podman_socket)
     try:
-        found = list(client.list_instance_images(name))
-        for tag in sorted(tags):
-            img = client.get_image(tag)
-            if img is not None and img.labels.get(INSTANCE_LABEL, name) == name:
-                found.append(img)
-        for img in {i.id: i for i in found}.values():
+        for img in client.list_instance_images(name):  # its builds
             client.remove_image(img.id)
             log.info("removed image %s", ", ".join(img.tags) or img.id[:12])
+        for line in imagelabels.release(client, name, tags):  # what it pulled or loaded
+            log.info("%s", line)
     except (PodmanError, PodmanUnavailable) as exc:
         return str(exc)
     finally:

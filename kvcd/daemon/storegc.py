@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -63,10 +64,16 @@ def _instance_links(kdir: Path) -> bool:
 
 
 def collect(
-    root: HostRoot, cfg: InstanceConfig, running: str, next_kernel: str | None
+    root: HostRoot,
+    cfg: InstanceConfig,
+    running: str,
+    next_kernel: str | None,
+    release: Callable[[set[str]], list[str]] | None = None,
 ) -> list[str]:
     """Remove this instance's stale store trees and the module-root trees of kernels that are
-    gone; return one line per removal (also logged)."""
+    gone; return one line per removal (also logged). `release` gets the image names the
+    removed trees' manifests recorded (imagelabels.release: an image for a kernel that is gone
+    is nobody's now) and says what it did."""
     installed = installed_kernels(root)
     if installed is None:
         return []
@@ -81,8 +88,12 @@ def collect(
             with suppress(kmod.KmodError):  # a directory kvcd did not install stays
                 modtree.deactivate(root, kernel, cfg.name)
             modtree.unlink_weak_updates(root, kernel, cfg.name)
+        images: set[str] = set()
         for tree in stale:
             path = base / tree.version / tree.kernel
+            with suppress(OSError, ValueError):  # a damaged manifest: its tree goes all the same
+                manifest = store.read_manifest(path)
+                images |= {manifest.image} if manifest is not None and manifest.image else set()
             shutil.rmtree(path)
             with suppress(OSError):  # the version directory, when that was its last kernel
                 path.parent.rmdir()
@@ -100,7 +111,10 @@ def collect(
                 driftstore.depmod_record_path(root, kernel).unlink()
     for line in removed:
         log.info("store clean-up: removed %s", line, extra=fields)
-    return removed
+    released = release(images) if images and release is not None else []  # outside the lock
+    for line in released:
+        log.info("store clean-up: %s", line, extra=fields)
+    return removed + released
 
 
 def _links(kdir: Path) -> set[str]:

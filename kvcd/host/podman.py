@@ -212,12 +212,14 @@ class Podman:
         self.tag(image_id, tag)
         return self._must_get(image_id)
 
-    def tag(self, image_id: str, ref: str) -> None:
+    def tag(self, image_id: str, ref: str, *, untag: bool = False) -> None:
+        """Give the image the name ``ref``; with ``untag``, take that name away (the image
+        stays, with its other names or none)."""
         repo, tag = split_ref(ref)
-        what = f"tag {image_id[:12]} as {ref}"
-        resp = self._call(
-            "post", f"/images/{image_id}/tag", what, params={"repo": repo, "tag": tag}
-        )
+        verb = "untag" if untag else "tag"
+        what = f"{verb} {image_id[:12]} {'from' if untag else 'as'} {ref}"
+        params = {"repo": repo, "tag": tag}
+        resp = self._call("post", f"/images/{image_id}/{verb}", what, params=params)
         if resp.status_code not in (200, 201):
             raise self._failure(what, resp)
 

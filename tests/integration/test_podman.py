@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvcd.daemon.imagelabels import release
 from kvcd.host.podman import Podman
 from kvcd.host.podtypes import (
     INSTANCE_LABEL,
@@ -320,6 +321,35 @@ def test_load_takes_one_image_archive_and_refuses_two(
     assert base_image in info.tags
     with two.open("rb") as fh, pytest.raises(PodmanError, match="holds one image, this one "):
         podman.load(fh, str(two))
+
+
+def test_release_gives_back_only_what_no_one_else_names(
+    podman: Podman, base_image: str, tmp_path: Path
+) -> None:
+    """imagelabels.release, on real podman: an image as kvcd pulls it (no kvcd label; its
+    registry name and kvcd's per-kernel names), given back one kernel's tree at a time."""
+    name = uniq("rel")
+    ctx = driver_context(tmp_path, base_image)
+    k1, k2 = f"localhost/kvcd-{name}-1.0:k1", f"localhost/kvcd-{name}-1.0:k2"
+    registry = f"registry.example:5000/drivers/{name}:1.0"  # as pulled
+    spec = BuildSpec(str(ctx), "Containerfile", registry, {"KVER": KVER, "KMODVER": "1.0"}, {})
+    img = podman.build(spec, [].append)
+    podman.tag(img.id, k1)
+    podman.tag(img.id, k2)
+
+    # k1's tree goes: the image is still k2's, so only the name k1 goes.
+    assert release(podman, name, {k1}) == [f"untagged {k1} (image {img.id[:12]} is also {k2})"]
+    info = podman.get_image(img.id)
+    assert info is not None and set(info.tags) == {k2, registry}
+    # k2's tree goes: the image goes whole, with the registry name it was pulled by.
+    (line,) = release(podman, name, {k2})
+    assert line.startswith("removed image ") and registry in line
+    assert podman.get_image(img.id) is None and podman.get_image(registry) is None
+    # Another instance's build under a colliding name is left alone.
+    theirs = build(podman, ctx, k1, instance=f"{name}-Other")
+    assert release(podman, name, {k1}) == [f"kept {k1}: instance {name}-Other's build"]
+    assert podman.get_image(k1) is not None
+    podman.remove_image(theirs.id)
 
 
 def test_ping_and_missing_image(podman: Podman) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvcd.config.loader import parse_instance_toml, parse_settings_toml
-from kvcd.config.model import BuildSource, ConfigError, LinkSpec, Variant
+from kvcd.config.model import BuildSource, ConfigError, LinkSpec, Variant, is_kvcd_tag
 from kvcd.core.capabilities import (
     Exclusion,
     LinkView,
@@ -370,6 +370,25 @@ def test_variant_image_tag_names_the_variant() -> None:
     rt = dataclasses.replace(cfg, variant="rt")
     assert plain.image_tag("6.1.0") == "localhost/kvcd-foo-1.0:6.1.0"
     assert rt.image_tag("6.1.0") == "localhost/kvcd-foo-rt-1.0:6.1.0"
+    for tag in (plain.image_tag("6.1.0"), rt.image_tag("6.1.0")):
+        assert is_kvcd_tag(tag)
+
+
+@pytest.mark.parametrize(
+    ("ref", "kvcds"),
+    [
+        ("localhost/kvcd-foo-1.0:6.1.0", True),
+        (
+            "localhost/kvcd-test/foo:1.0",
+            False,
+        ),  # a repository under kvcd-test: not a name kvcd gives
+        ("quay.io/localhost/kvcd-foo-1.0:6.1.0", False),
+        ("localhost/kvcdfoo-1.0:6.1.0", False),
+        ("registry.example:5000/drivers/foo:1.0", False),
+    ],
+)
+def test_is_kvcd_tag(ref: str, kvcds: bool) -> None:
+    assert is_kvcd_tag(ref) is kvcds
 
 
 @pytest.mark.parametrize(

@@ -553,6 +553,25 @@ def test_clean_up_removes_what_kernel_updates_left(host: HostRoot) -> None:
     assert storegc.collect(host, config(host), A, B) == []  # idempotent
 
 
+def test_clean_up_gives_back_the_images_of_the_trees_it_removes(host: HostRoot) -> None:
+    """A pulled or loaded image carries no kvcd label: only the removed tree's manifest names
+    it, so the clean-up hands that name to `release` (imagelabels.release, podman), once."""
+    running_extraction(host)
+    fakehost.store_version(host, NAME, "0.9", A, ["kvcd_base"], image="localhost/kvcd-e2e-0.9:a")
+    gone = fakehost.store_version(host, NAME, "1.0", C, ["kvcd_base"], image="localhost/x:c")
+    asked: list[set[str]] = []
+
+    def release(tags: set[str]) -> list[str]:
+        asked.append(tags)
+        return [f"removed image {t}" for t in sorted(tags)]
+
+    removed = storegc.collect(host, config(host), A, None, release)
+    assert asked == [{"localhost/x:c"}]
+    assert removed == [f"{gone} (kernel {C} not installed)", "removed image localhost/x:c"]
+    assert storegc.collect(host, config(host), A, None, release) == []
+    assert len(asked) == 1  # nothing removed, nothing to give back
+
+
 def test_clean_up_keeps_trees_other_instances_link(host: HostRoot) -> None:
     running_extraction(host)
     prepared_weak(host, C)
