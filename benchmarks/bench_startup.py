@@ -5,11 +5,13 @@ Each verb is a fresh process, as an operator runs it, timed against bare interpr
 in both) run beside it: every round runs the peer and the verb back to back, in alternating
 order, so a busy machine slows both alike. Goal: each verb <= 2x the peer's median wall time.
 
-Also per verb: peak RSS, and what it imports beyond the peer (`python -X importtime`, the
-median of a few runs per module): the import time of the top-level imports, and the biggest
-cumulative entries (in the JSON's raw). And a second peer, timed in the same rounds: a bare
-interpreter importing the verb's other modules (the standard library's and third parties',
-not kvcd's), so the table shows how much of the start is the language and its libraries.
+Also per verb: peak RSS; how many dataclasses it creates and what creating them costs (each
+generated method is compiled with exec at import); and what it imports beyond the peer
+(`python -X importtime`, the median of a few runs per module): the import time of the top-level
+imports, and the biggest cumulative entries (in the JSON's raw). And a second peer, timed in
+the same rounds: a bare interpreter importing the verb's other modules (the standard library's
+and third parties', not kvcd's), so the table shows how much of the start is the language and
+its libraries.
 
 Scratch roots (--root): status and check-config run on N instances, each with a recorded state
 and loaded modules in a fake /sys/module (the work `kvcd status` really does: config listing,
@@ -146,6 +148,48 @@ def imports(
     )
 
 
+# The verb, its dataclass decorators timed: Python 3.11-3.13 compile each generated method
+# (__init__, __eq__, __repr__, and __hash__, __setattr__, __delattr__ when frozen) with exec,
+# about a millisecond per class here, paid at import.
+_CLASSES = (
+    "import dataclasses, json, sys, time\n"
+    "made = dataclasses._process_class\n"
+    "spent = [0, 0.0]\n"
+    "def timed(*a, **k):\n"
+    "    t = time.perf_counter()\n"
+    "    try:\n"
+    "        return made(*a, **k)\n"
+    "    finally:\n"
+    "        spent[0] += 1\n"
+    "        spent[1] += time.perf_counter() - t\n"
+    "dataclasses._process_class = timed\n"
+    "from kvcd.cli import main\n"
+    "try:\n"
+    "    main(sys.argv[1:])\n"
+    "finally:\n"
+    "    print(json.dumps(spent), file=sys.stderr)\n"
+)
+
+
+def class_creation(
+    kvcd_args: list[str], env: dict[str, str], cwd: str, runs: int
+) -> tuple[int, float]:
+    """How many dataclasses the verb creates, and the median ms their creation takes."""
+    samples = []
+    for _ in range(runs):
+        err = subprocess.run(
+            [sys.executable, "-c", _CLASSES, *kvcd_args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        ).stderr
+        samples.append(json.loads(err.strip().splitlines()[-1]))
+    return samples[0][0], statistics.median(s[1] for s in samples) * 1000
+
+
 def stdlib_peer(modules: list[str]) -> list[str]:
     """`python -c` importing `modules` (what a verb imports beyond `python -c pass` that is not
     kvcd's own): the floor of a verb written in Python with the same libraries."""
@@ -180,6 +224,7 @@ def main() -> None:
             argv = [sys.executable, *ENTRY, *kvcd_args]
             imp_ms, others, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
             libs_argv = stdlib_peer(others)
+            classes, classes_ms = class_creation(kvcd_args, env, tmp, args.importtime_runs)
             times: list[float] = []
             peers: list[float] = []
             libs: list[float] = []
@@ -229,6 +274,17 @@ def main() -> None:
                     round(libs_ms / peer_ms, 2),
                 ),
             ]
+            figures.append(
+                Figure(
+                    f"{name} (creating its {classes} dataclasses)",
+                    round(classes_ms, 1),
+                    "ms",
+                    "",
+                    None,
+                    f"{name} (median wall)",
+                    round(classes_ms / ms, 2),
+                )
+            )
             per_verb[name] = {
                 "argv": kvcd_args,
                 "wall": summary(times),
@@ -236,6 +292,7 @@ def main() -> None:
                 "peer_ms": round(peer_ms, 1),
                 "other_modules_wall": summary(libs),
                 "imports": imp,
+                "dataclasses": {"count": classes, "ms": round(classes_ms, 1)},
             }
             if not quiet:
                 print(
