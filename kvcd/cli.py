@@ -161,16 +161,19 @@ _VERBS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], object]]] = {
 
 
 def _named_verb(argv: Sequence[str]) -> str | None:
-    """The verb argv names (the first word that is not an option or --root's value), if kvcd
-    has it; None otherwise (help, a typo, no verb)."""
+    """The verb argv names, when kvcd has it and every word before it is spelt out in full
+    (`--root DIR`, `--root=DIR`, `-v`, `--verbose`); None otherwise (help, a typo, no verb, an
+    abbreviated option such as `--ro DIR`), and then the whole parser decides."""
     words = iter(argv)
     for word in words:
         if word == "--root":
             next(words, None)
-        elif not word.startswith("-"):
-            return word if word in _VERBS else None
-        elif word in ("-h", "--help"):
+        elif word.startswith("--root=") or word in ("-v", "--verbose"):
+            continue
+        elif word.startswith("-"):
             return None
+        else:
+            return word if word in _VERBS else None
     return None
 
 

@@ -226,6 +226,7 @@ PARSES = [
     ["--root", "/x", "-v", "status"],
     ["--root=/x", "check-config", "--all"],
     ["--root", "status", "status"],  # a root named like a verb
+    ["--verbose", "--root=/x", "load", "e2e", "--dry-run"],
     ["check-config", "e2e", "--kernel", K],
     ["check-config"],  # its group is required
     ["check-config", "e2e", "--all"],
@@ -277,6 +278,8 @@ def test_the_named_verbs_parser_alone_parses_as_the_whole_one(argv: list[str]) -
         (["--root=/r", "purge", "--all"], "purge"),
         (["stauts"], None),  # a typo: the whole parser, so the error lists every verb
         (["--help", "status"], None),
+        (["--ro", "status", "load", "x"], None),  # argparse takes --ro for --root
+        (["-vh", "status"], None),
         (["-h"], None),
         ([], None),
     ],
