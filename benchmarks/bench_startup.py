@@ -98,17 +98,22 @@ def verbs(tree: str, instances: int) -> dict[str, list[str]]:
 _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
 
 
-def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:
-    """module -> (cumulative µs, depth) of one `python -X importtime` run."""
-    err = subprocess.run(
-        [sys.executable, "-X", "importtime", *argv],
+def _stderr(argv: list[str], env: dict[str, str], cwd: str) -> str:
+    """What the interpreter run with `argv` wrote to stderr (its stdout dropped)."""
+    return subprocess.run(
+        [sys.executable, *argv],
         env=env,
         cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        check=True,
+        check=False,
     ).stderr
+
+
+def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:
+    """module -> (cumulative µs, depth) of one `python -X importtime` run."""
+    err = _stderr(["-X", "importtime", *argv], env, cwd)
     found = {}
     for line in err.splitlines():
         m = _LINE.match(line.rstrip())
@@ -177,15 +182,7 @@ def class_creation(
     """How many dataclasses the verb creates, and the median ms their creation takes."""
     samples = []
     for _ in range(runs):
-        err = subprocess.run(
-            [sys.executable, "-c", _CLASSES, *kvcd_args],
-            env=env,
-            cwd=cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        ).stderr
+        err = _stderr(["-c", _CLASSES, *kvcd_args], env, cwd)
         samples.append(json.loads(err.strip().splitlines()[-1]))
     return samples[0][0], statistics.median(s[1] for s in samples) * 1000
 
