@@ -32,6 +32,7 @@ from kvcd.node import keys as nodekeys
 from kvcd.node.backend import NodeView
 
 if TYPE_CHECKING:
+    from kvcd.config.model import InstanceConfig, Settings
     from kvcd.daemon.record import Record
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,12 @@ _CODES = (state.DRAIN_PENDING, state.DRAIN_TIMEOUT, state.REBOOT_PENDING)
 
 
 def mode(ctx: Context) -> str:
-    return ctx.cfg.drain or ctx.settings.drain
+    return mode_of(ctx.cfg, ctx.settings)
+
+
+def mode_of(cfg: InstanceConfig, settings: Settings) -> str:
+    """The instance's drain mode: its own `drain`, else the node's."""
+    return cfg.drain or settings.drain
 
 
 def holders_text(ctx: Context, modules: list[str]) -> str:
@@ -76,12 +82,14 @@ class Drain(Extension):
         self._seen: str | None = None
         self._lock = threading.Lock()
         self._started = False
-        self._checked = False  # a left-over claim looked for (drain = none)
         self._stop_claim = False  # drain_for_stop's claim is on the node
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, ctx: Context) -> None:
         if mode(ctx) != "cluster":
+            if ctx.cfg.unload_policy == state.UNLOAD_DRAIN:  # any stop may have to ask for one
+                self.link.start(ctx)
+                self._started = True
             return
         current_key = nodekeys.drain_current_key(ctx.settings.annotation_prefix)
 
@@ -149,18 +157,6 @@ class Drain(Extension):
 
         return writer.update(change)
 
-    def _withdraw_left_over(self, ctx: Context) -> None:
-        """drain = none now, but a claim of ours is on the node (the instance was switched from
-        "cluster" mid-handshake): nothing will ever answer it for us, so it goes, and the
-        node-wide request with it when it was the last. Looked at once per configuration."""
-        self._checked = True
-        seen = self._read(ctx)
-        if seen is not None and seen[0] is not None and self._set_claim(ctx, None):
-            log.info(
-                "drain claim withdrawn: this instance no longer uses drain = cluster",
-                extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},
-            )
-
     # --- stopping with unload_policy = "drain" -------------------------------------------------
     def drain_for_stop(
         self,
@@ -210,8 +206,6 @@ class Drain(Extension):
 
     def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
         if mode(ctx) != "cluster":
-            if not self._checked:
-                self._withdraw_left_over(ctx)
             return None
         seen = self._read(ctx)
         if seen is None:
@@ -307,3 +301,41 @@ class Drain(Extension):
             return None
         log.warning("modules in use: %s", holders, extra={**ctx.fields, "KVCD_HOLDERS": holders})
         return Verdict(HOLD, record.state, record.code, detail)
+
+
+class LeftOverClaim(Extension):
+    """drain = none now, but a claim of ours may be on the node (the instance was switched from
+    "cluster" mid-handshake): nothing will ever answer it for us, so it goes, and the node-wide
+    request with it when it was the last. Looked at once per configuration, when the first
+    cycle's outcome is settled: it changes nothing this instance loads, so the load does not
+    wait for the node (a Kubernetes client to import, a connection to open)."""
+
+    name = "drain-left-over"
+    late = True
+    deferred = True
+
+    def __init__(self, drain: Drain) -> None:
+        self.drain = drain  # its claim's reader and writer, on the shared node link
+        self._checked = False
+        self._started = False
+
+    def start(self, ctx: Context) -> None:
+        self.drain.link.start(ctx)
+        self._started = True
+
+    def stop(self) -> None:
+        if self._started:
+            self._started = False
+            self.drain.link.stop()
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        if self._checked:
+            return None
+        seen = self.drain._read(ctx)
+        self._checked = seen is not None  # the node unreachable: looked at after the next cycle
+        if seen is not None and seen[0] is not None and self.drain._set_claim(ctx, None):
+            log.info(
+                "drain claim withdrawn: this instance no longer uses drain = cluster",
+                extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},
+            )
+        return None

@@ -119,9 +119,15 @@ class Extension:
     the loop runs it after READY=1, so a start or a reload is not held back by it. Hooks that
     decide the outcome READY=1 announces (links, drain, ordered upgrade) are not late."""
 
+    deferred = False
+    """It has no say in a cycle before its late hooks (no verdict, no early after-hook): the
+    loop starts it when the first cycle's outcome is settled, after the extensions that have,
+    so the modules are live without waiting for what its start costs (the node backend's
+    client and watch). Its hooks run after every other extension's."""
+
     def start(self, ctx: Context) -> None:
         """Start the watchers (their threads may `ctx.post`). Called on the first good config
-        and when a reload changes it."""
+        and when a reload changes it (a deferred extension: at the cycle's late hooks)."""
         return None
 
     def stop(self) -> None:

@@ -6,8 +6,13 @@ comes before the cluster's ordered-upgrade label, which comes before device gati
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+
 from kvcd.config.model import InstanceConfig, Settings
-from kvcd.daemon.events import Extension
+from kvcd.daemon.events import Context, Extension
+
+log = logging.getLogger(__name__)
 
 
 def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
@@ -19,13 +24,16 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
 
     out.append(DriftMonitor(cfg, settings))
     # Node state (issue #6): one NodeLink (backend + writer + watch) shared by the three.
-    from kvcd.daemon.drain import Drain
+    from kvcd.daemon.drain import Drain, LeftOverClaim, mode_of
     from kvcd.daemon.report import NodeLink, Reporter
 
     link = NodeLink(settings)
     # Drain holds a reconcile only while its own request waits for DrainComplete; it goes
     # before ordered-upgrade so that a label change cannot bypass a pending drain.
-    out.append(Drain(link))
+    drain = Drain(link)
+    out.append(drain)
+    if mode_of(cfg, settings) != "cluster":  # a claim an earlier config left (deferred)
+        out.append(LeftOverClaim(drain))
     if cfg.ordered_upgrade:
         from kvcd.daemon.upgrade import OrderedUpgrade
 
@@ -67,3 +75,26 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     # The reporter's after-hook runs LAST: it publishes what the other after-hooks set.
     reporter: list[Extension] = [Reporter(link)]
     return out + reporter
+
+
+def start(exts: list[Extension], ctx: Context) -> list[Extension]:
+    """Start each in order; those that started (one broken watcher must not take the instance
+    down: it is logged and left out)."""
+    started = []
+    for ext in exts:
+        try:
+            ext.start(ctx)
+        except Exception:
+            log.exception("extension %s did not start", ext.name, extra=ctx.fields)
+            continue
+        started.append(ext)
+    return started
+
+
+def stop(exts: list[Extension], fields: Mapping[str, str]) -> None:
+    """Stop each, the last started first."""
+    for ext in reversed(exts):
+        try:
+            ext.stop()
+        except Exception:
+            log.exception("extension %s did not stop cleanly", ext.name, extra=fields)

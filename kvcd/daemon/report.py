@@ -137,6 +137,9 @@ class Reporter(Extension):
 
     name = "node-report"
     late = True  # publishes the outcome after READY=1 (the last late hook)
+    # Started then too: opening the node backend may import the Kubernetes client (seconds in
+    # a slow guest), which the load does not need unless drain or ordered upgrade started it.
+    deferred = True
 
     def __init__(self, link: NodeLink) -> None:
         self.link = link

@@ -67,6 +67,7 @@ class Service:
         self._extended = float("-inf")
         self.mail = Mailbox()
         self.exts: list[Extension] = []
+        self._deferred: list[Extension] = []  # built, started at the first late hooks
         self.ctx: Context | None = None
         self._timers: dict[int, float] = {}  # id(extension) -> monotonic time of its next tick
         # The attempt ledger (persisted in the record; this copy survives an unwritable one)
@@ -206,22 +207,16 @@ class Service:
         if self.ctx is not None and self.ctx.cfg == inst.cfg and self.ctx.settings == inst.settings:
             return
         self.stop_extensions()
-        self.ctx = Context(
-            root=self.root,
-            name=self.name,
-            kernel=self.kernel,
-            settings=inst.settings,
-            cfg=inst.cfg,
-            post=self.mail.post,
-            fields=dict(self.fields),
-        )
-        for ext in extensions.build(inst.cfg, inst.settings):
-            try:
-                ext.start(self.ctx)
-            except Exception:  # one broken watcher must not take the instance down
-                log.exception("extension %s did not start", ext.name, extra=self.fields)
-                continue
-            self.exts.append(ext)
+        ctx = Context(self.root, self.name, self.kernel, inst.settings, inst.cfg, self.mail.post)
+        self.ctx = ctx
+        ctx.fields.update(self.fields)
+        built = extensions.build(inst.cfg, inst.settings)
+        self._deferred = [ext for ext in built if ext.deferred]
+        self._start([ext for ext in built if not ext.deferred])
+
+    def _start(self, exts: list[Extension]) -> None:
+        assert self.ctx is not None
+        self.exts += extensions.start(exts, self.ctx)
         self._arm_timers()
 
     def _arm_timers(self) -> None:
@@ -235,12 +230,9 @@ class Service:
                     self._timers[id(ext)] = now + every
 
     def stop_extensions(self) -> None:
-        for ext in reversed(self.exts):
-            try:
-                ext.stop()
-            except Exception:
-                log.exception("extension %s did not stop cleanly", ext.name, extra=self.fields)
+        extensions.stop(self.exts, self.fields)
         self.exts.clear()
+        self._deferred.clear()
         self._timers.clear()
 
     def _verdict(self, events: list[Event]) -> Verdict | None:
@@ -269,6 +261,9 @@ class Service:
 
     def _hooks(self, inst: Instance, record: Record, late: bool | None) -> Record:
         assert self.ctx is not None
+        if late is not False and self._deferred:  # the cycle's outcome is settled: start them
+            deferred, self._deferred = self._deferred, []
+            self._start(deferred)
         for ext in self.exts:
             if late is not None and ext.late != late:
                 continue

@@ -15,7 +15,7 @@ from kvcd.core import drain as hs
 from kvcd.core import state
 from kvcd.core.attempts import RETRY
 from kvcd.daemon import extensions
-from kvcd.daemon.drain import Drain
+from kvcd.daemon.drain import Drain, LeftOverClaim, mode_of
 from kvcd.daemon.events import HOLD, Context, Event
 from kvcd.daemon.record import Record
 from kvcd.daemon.report import NodeLink, Reporter
@@ -195,9 +195,11 @@ def ann(root: HostRoot) -> dict[str, str]:
 def service(host: HostRoot, monkeypatch: pytest.MonkeyPatch) -> Any:
     clock = Clock()
 
-    def build(cfg: Any, settings: Any) -> list[Any]:
+    def build(cfg: Any, settings: Any) -> list[Any]:  # as extensions.build has them
         link = NodeLink(settings)
-        return [Drain(link, clock=clock), Reporter(link)]
+        drain = Drain(link, clock=clock)
+        left_over = [LeftOverClaim(drain)] if mode_of(cfg, settings) != "cluster" else []
+        return [drain, *left_over, Reporter(link)]
 
     monkeypatch.setattr(extensions, "build", build)
     made: list[Service] = []
@@ -499,3 +501,44 @@ def test_stop_with_drain_and_no_node_refuses(
     assert svc.stop() == 1
     assert loaded(host) == MODS
     assert "cannot request a node drain" in caplog.text
+
+
+# drain, unload_policy -> whether the node backend is open before the first load (a start that
+# does not need the node must not wait for it: a Kubernetes client to import, seconds in a
+# slow guest). Through the real extension set, in the order `kvcd run` runs it.
+OPEN_ROWS = [
+    ("none", "if-idle", False),  # the default: the node hears of the outcome after READY=1
+    ("cluster", "if-idle", True),  # the verdict reads the drain answer
+    ("none", "drain", True),  # any stop may have to ask for a drain
+]
+
+
+@pytest.mark.parametrize(("mode", "policy", "before_load"), OPEN_ROWS)
+def test_the_node_backend_opens_before_the_load_only_when_the_load_needs_it(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, mode: str, policy: str, before_load: bool
+) -> None:
+    fakehost.write_config(
+        host, "e2e", f'unload_policy = "{policy}"\n' + CONFIG.format(v="1.0", mode=mode)
+    )
+    opened: list[bool] = []  # at each opening: were the modules loaded already?
+    real = NodeLink.__init__
+
+    def seen(self: NodeLink, settings: Any, opener: Any = None) -> None:
+        def open_noting(ctx: Context) -> FileBackend:
+            opened.append((host.sys_module / "kvcd_user").is_dir())
+            return FileBackend(ctx.root, "n1")
+
+        real(self, settings, open_noting)
+
+    monkeypatch.setattr(NodeLink, "__init__", seen)
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    svc.defer_late = True  # as run() does: the late hooks wait for run_late
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and rec.state == "Done"
+        assert opened == ([False] if before_load else [])
+        svc.run_late(rec)  # after READY=1
+        assert opened == ([False] if before_load else [True])
+        assert ann(host)["kvcd.io/e2e.state"] == "Done"  # the outcome published all the same
+    finally:
+        svc.stop_extensions()
