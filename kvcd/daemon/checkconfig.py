@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import os
 
-from kvcd.config.model import InstanceConfig, Settings
+from kvcd.config.loader import list_instances, load_instance, load_settings
+from kvcd.config.model import ConfigError, InstanceConfig, Settings
+from kvcd.config.rules import KVC_GLOBAL
+from kvcd.core import owners, state
+from kvcd.core.state import StepFailed
+from kvcd.daemon.images import archive_problem
+from kvcd.daemon.instance import Instance, held_modules
+from kvcd.daemon.observe import host_for
+from kvcd.daemon.record import KernelUnknown, running_kernel
+from kvcd.daemon.upgrade import check_upgrade_label
+from kvcd.host import regauth
 from kvcd.host.paths import HostRoot
+from kvcd.host.pylibs import check_settings, locate
 
 
 def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -> int:
     """`kvcd check-config NAME|--all [--kernel K]`: exit 0 every instance is ok, 2 some is not
     (or kvcd.toml is not)."""
-    from kvcd.config.loader import load_settings
-    from kvcd.config.rules import KVC_GLOBAL
-    from kvcd.daemon.observe import host_for
-    from kvcd.daemon.record import KernelUnknown, running_kernel
-    from kvcd.host.pylibs import check_settings, locate
 
     settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
     check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
@@ -44,8 +50,6 @@ class _Node:
     instance holds now."""
 
     def __init__(self, root: HostRoot) -> None:
-        from kvcd.config.loader import list_instances
-        from kvcd.daemon.instance import held_modules
 
         self.root = root
         self.names = list_instances(root)
@@ -54,8 +58,6 @@ class _Node:
 
     def config(self, name: str) -> InstanceConfig:
         """The instance's config; its ConfigError, every time it is asked for."""
-        from kvcd.config.loader import load_instance
-        from kvcd.config.model import ConfigError
 
         if name not in self._configs:
             try:
@@ -70,11 +72,6 @@ class _Node:
 
 def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> bool:
     """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
-    from kvcd.config.model import ConfigError
-    from kvcd.core.state import StepFailed
-    from kvcd.daemon.instance import Instance
-    from kvcd.daemon.upgrade import check_upgrade_label
-    from kvcd.host import regauth
 
     root = node.root
     try:
@@ -108,7 +105,6 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     print(f"  plan for {kernel}:")
     for line in planned.describe():
         print(f"    {line}")
-    from kvcd.daemon.images import archive_problem
 
     problem = archive_problem(planned)
     if problem:
@@ -120,8 +116,6 @@ def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[s
     """What another instance makes impossible for this one: the error ("" when none) when
     another holds one of its modules or would use its image tag; a warning per other configured
     instance that lists some of its modules (only one of them can be running)."""
-    from kvcd.config.model import ConfigError
-    from kvcd.core import owners, state
 
     name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
     held = owners.shared(name, modules, {o: m for o, m in node.held.items() if o != name})
