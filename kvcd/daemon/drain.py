@@ -157,6 +157,15 @@ class Drain(Extension):
 
         return writer.update(change)
 
+    def withdraw(self, ctx: Context) -> bool | None:
+        """Withdraw a claim of ours left on the node (and the node-wide request with it when it
+        was the last): True when one went, False when there was none, None when the node could
+        not be read."""
+        seen = self._read(ctx)
+        if seen is None:
+            return None
+        return seen[0] is not None and self._set_claim(ctx, None)
+
     # --- stopping with unload_policy = "drain" -------------------------------------------------
     def drain_for_stop(
         self,
@@ -331,9 +340,9 @@ class LeftOverClaim(Extension):
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         if self._checked:
             return None
-        seen = self.drain._read(ctx)
-        self._checked = seen is not None  # the node unreachable: looked at after the next cycle
-        if seen is not None and seen[0] is not None and self.drain._set_claim(ctx, None):
+        withdrawn = self.drain.withdraw(ctx)
+        self._checked = withdrawn is not None  # node unreachable: looked at after the next cycle
+        if withdrawn:
             log.info(
                 "drain claim withdrawn: this instance no longer uses drain = cluster",
                 extra={**ctx.fields, "KVCD_DRAIN": hs.RELEASE},

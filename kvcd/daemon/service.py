@@ -93,8 +93,7 @@ class Service:
 
     def _wait(self, timeout: float | None) -> list[Event]:
         """Sleep until a signal or an extension's event arrives, a timer (an extension's, or the
-        end of a back-off) is due, or `timeout` passes, keeping the watchdog fed. Returns the
-        events."""
+        end of a back-off) is due, or `timeout` passes, keeping the watchdog fed: the events."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.notify.watchdog_interval()
         self.notify.watchdog()  # the interval below counts from here (see Keepalive)
@@ -207,9 +206,15 @@ class Service:
         if self.ctx is not None and self.ctx.cfg == inst.cfg and self.ctx.settings == inst.settings:
             return
         self.stop_extensions()
-        ctx = Context(self.root, self.name, self.kernel, inst.settings, inst.cfg, self.mail.post)
-        self.ctx = ctx
-        ctx.fields.update(self.fields)
+        self.ctx = Context(
+            root=self.root,
+            name=self.name,
+            kernel=self.kernel,
+            settings=inst.settings,
+            cfg=inst.cfg,
+            post=self.mail.post,
+            fields=dict(self.fields),
+        )
         built = extensions.build(inst.cfg, inst.settings)
         self._deferred = [ext for ext in built if ext.deferred]
         self._start([ext for ext in built if not ext.deferred])
