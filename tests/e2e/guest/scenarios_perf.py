@@ -210,6 +210,20 @@ def test_p3_cli_start_up() -> None:
         figure(f"kvcd {' '.join(verb)} ({wall / floor:.1f}x the floor)", wall, f"perf_{verb[0]}")
 
 
+def _largest_files(pid: int, n: int = 6) -> str:
+    """The files mapped into `pid` that hold the most of its RSS: "name MiB, …"."""
+    held: dict[str, int] = {}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split()
+        if first and not first[0].endswith(":"):  # a mapping's header: range perms ... [path]
+            name = first[5].rsplit("/", 1)[-1] if len(first) > 5 and "/" in first[5] else ""
+        elif first and first[0] == "Rss:" and name:
+            held[name] = held.get(name, 0) + int(first[1])
+    top = sorted(held.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{k} {v / 1024:.1f}" for k, v in top) + " MiB"
+
+
 def test_p4_daemon_tasks_and_rss() -> None:
     sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
     wait_for(state_is("Done"), BUILD_TIMEOUT, "Done after the restart")
@@ -221,10 +235,18 @@ def test_p4_daemon_tasks_and_rss() -> None:
     threads = int(status["Threads"])
     rss_mib = int(status["VmRSS"].split()[0]) / 1024
     TABLE.append(("daemon threads, 20 s after a start", str(threads)))
-    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
-    pss_mib = int(next(ln.split()[1] for ln in rollup if ln.startswith("Pss:"))) / 1024
+    rollup = dict(
+        (ln.split()[0].rstrip(":"), int(ln.split()[1]) / 1024)
+        for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+    )
+    pss_mib = rollup["Pss"]
     TABLE.append(("daemon RSS, 20 s after a start", f"{rss_mib:.1f} MiB"))
     TABLE.append(("daemon PSS (shared pages divided among their users)", f"{pss_mib:.1f} MiB"))
+    # Where the RSS lives: the heap (code objects of the imported modules, their data) against
+    # the mapped files (the interpreter, libpython, shared libraries), the largest named.
+    anon = rollup["Anonymous"]
+    TABLE.append(("of the RSS: anonymous / file-backed", f"{anon:.1f} / {rss_mib - anon:.1f} MiB"))
+    TABLE.append(("of the file-backed: the largest mappings", _largest_files(pid)))
     record_timing("perf_threads", threads)
     record_timing("perf_rss_mib", rss_mib)
     record_timing("perf_pss_mib", pss_mib)
