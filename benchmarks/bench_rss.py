@@ -25,17 +25,15 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_soak import NAME, Daemon, done, scratch_host
-from benchmarks.common import Figure, add_json_flag, report
+from benchmarks.common import Figure, add_json_flag, installed_python, report
 
 GOAL_MIB = 20.0
 
 
-def floor_mib(env: dict[str, str]) -> float:
+def floor_mib(python: str, env: dict[str, str]) -> float:
     """RSS of an interpreter that did nothing (`python3 -c pass`, read as it ends)."""
     code = "print(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1])"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True)
     return int(out.stdout) / 1024
 
 
@@ -102,15 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     add_json_flag(ap)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvcd-rss-") as tmp:
+        # kvcd as installed (not the dev venv's editable finder, ~2.4 MiB in every process).
+        python = installed_python(Path(tmp) / "python")
         root, env, stop = scratch_host(Path(tmp))
         try:
-            d = Daemon(root, NAME, env)
+            d = Daemon(root, NAME, env, python)
             log = Path(tmp) / "daemon.log"
             first = settled(d, log, args.settle)
             cached = settled(d, log, args.settle)
         finally:
             stop()
-    floor = floor_mib({k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+        floor = floor_mib(python, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     raw = {"settle_s": args.settle, "first": first, "cached": cached, "floor_mib": round(floor, 1)}
     report("rss", figures_of(first, cached, floor), args.json, raw)
 

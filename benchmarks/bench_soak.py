@@ -88,13 +88,15 @@ def scratch_host(base: Path) -> tuple[Path, dict[str, str], Callable[[], None]]:
 
 
 class Daemon:
-    def __init__(self, root: Path, name: str, env: dict[str, str]) -> None:
+    def __init__(
+        self, root: Path, name: str, env: dict[str, str], python: str = sys.executable
+    ) -> None:
         from kvcd.host.paths import HostRoot
 
         self.root = HostRoot(root)
         self.name = name
         self.env = env
-        self.cli = [sys.executable, "-m", "kvcd.cli", "--root", str(root)]
+        self.cli = [python, "-m", "kvcd.cli", "--root", str(root)]
 
     def status(self) -> dict[str, Any]:
         """The record as `kvcd status` reads it (in-process: a poll must not cost a Python

@@ -1,9 +1,11 @@
 """Start-up of the read-only verbs (issue #20): `kvcd status`, `check-config`, `capabilities`.
 
 Each verb is a fresh process, as an operator runs it, timed against bare interpreter start-up
-(`python -c pass`: the same interpreter, venv and environment, so the venv's own start-up is
-in both) run beside it: every round runs the peer and the verb back to back, in alternating
-order, so a busy machine slows both alike. Goal: each verb <= 2x the peer's median wall time.
+(`python -c pass`: the same interpreter and environment) run beside it, both with kvcd as an
+installed package sees it (benchmarks.common.installed_python: not the dev venv's editable
+install, whose finder no installed kvcd pays for): every round runs the peer and the verb back
+to back, in alternating order, so a busy machine slows both alike. Goal: each verb <= 2x the
+peer's median wall time.
 
 Also per verb: peak RSS; how many dataclasses it creates and what creating them costs (each
 generated method is compiled with exec at import); and what it imports beyond the peer
@@ -35,7 +37,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import ROOT, Figure, add_json_flag, report, summary, timed_run
+from benchmarks.common import (
+    ROOT,
+    Figure,
+    add_json_flag,
+    installed_python,
+    peak_rss_kib,
+    report,
+    summary,
+    timed_run,
+)
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -99,9 +110,9 @@ _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
 
 
 def _stderr(argv: list[str], env: dict[str, str], cwd: str) -> str:
-    """What the interpreter run with `argv` wrote to stderr (its stdout dropped)."""
+    """What `argv` (an interpreter and its arguments) wrote to stderr (its stdout dropped)."""
     return subprocess.run(
-        [sys.executable, *argv],
+        argv,
         env=env,
         cwd=cwd,
         stdout=subprocess.DEVNULL,
@@ -113,7 +124,7 @@ def _stderr(argv: list[str], env: dict[str, str], cwd: str) -> str:
 
 def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:
     """module -> (cumulative µs, depth) of one `python -X importtime` run."""
-    err = _stderr(["-X", "importtime", *argv], env, cwd)
+    err = _stderr([argv[0], "-X", "importtime", *argv[1:]], env, cwd)
     found = {}
     for line in err.splitlines():
         m = _LINE.match(line.rstrip())
@@ -129,7 +140,7 @@ def imports(
     entries are inside their parent's cumulative figure), the modules that are not kvcd's,
     and for the JSON the module count and the biggest cumulative entries (median of `runs`
     runs each)."""
-    peer = set(_importtime(["-c", "pass"], env, cwd))
+    peer = set(_importtime([argv[0], "-c", "pass"], env, cwd))
     samples = [_importtime(argv, env, cwd) for _ in range(runs)]
     names = [n for n in samples[0] if n not in peer]
     cumulative = {n: statistics.median(s[n][0] for s in samples if n in s) for n in names}
@@ -177,21 +188,21 @@ _CLASSES = (
 
 
 def class_creation(
-    kvcd_args: list[str], env: dict[str, str], cwd: str, runs: int
+    py: str, kvcd_args: list[str], env: dict[str, str], cwd: str, runs: int
 ) -> tuple[int, float]:
     """How many dataclasses the verb creates, and the median ms their creation takes."""
     samples = []
     for _ in range(runs):
-        err = _stderr(["-c", _CLASSES, *kvcd_args], env, cwd)
+        err = _stderr([py, "-c", _CLASSES, *kvcd_args], env, cwd)
         samples.append(json.loads(err.strip().splitlines()[-1]))
     return samples[0][0], statistics.median(s[1] for s in samples) * 1000
 
 
-def stdlib_peer(modules: list[str]) -> list[str]:
+def stdlib_peer(py: str, modules: list[str]) -> list[str]:
     """`python -c` importing `modules` (what a verb imports beyond `python -c pass` that is not
     kvcd's own): the floor of a verb written in Python with the same libraries."""
     body = "".join(f"try:\n import {m}\nexcept Exception:\n pass\n" for m in modules)
-    return [sys.executable, "-c", body]
+    return [py, "-c", body]
 
 
 def main() -> None:
@@ -202,10 +213,9 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=ROOT, help="kvcd source tree to time")
     add_json_flag(ap)
     args = ap.parse_args()
-    # The tree first on sys.path: it wins over the venv's editable install (a meta-path finder
-    # after the path finder). The peer gets the same environment. Every process runs in the
-    # scratch directory, not the checkout (`-c` puts the working directory first on sys.path).
-    env = {**os.environ, "PYTHONPATH": str(args.tree.resolve())}
+    # Every process runs in the scratch directory, not the checkout (`-c` puts the working
+    # directory first on sys.path), with kvcd from the tree as installed (installed_python).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # Bytecode caches on, as an installed kvcd has them (an RPM ships the .pyc files): without
     # them every run compiles every module it imports, which is not start-up but installation.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -214,28 +224,24 @@ def main() -> None:
     per_verb: dict[str, object] = {}
     raw = {"tree": str(args.tree), "instances": args.instances, "verbs": per_verb}
     with tempfile.TemporaryDirectory() as tmp:
-        make_tree(Path(tmp), args.instances)
-        table = verbs(tmp, args.instances)
-        peer_argv = [sys.executable, "-c", "pass"]
+        py = installed_python(Path(tmp) / "python", args.tree)
+        make_tree(Path(tmp) / "root", args.instances)
+        table = verbs(str(Path(tmp) / "root"), args.instances)
+        peer_argv = [py, "-c", "pass"]
         for name, kvcd_args in table.items():
-            argv = [sys.executable, *ENTRY, *kvcd_args]
-            imp_ms, others, imp = imports([*ENTRY, *kvcd_args], env, tmp, args.importtime_runs)
-            libs_argv = stdlib_peer(others)
-            classes, classes_ms = class_creation(kvcd_args, env, tmp, args.importtime_runs)
+            argv = [py, *ENTRY, *kvcd_args]
+            imp_ms, others, imp = imports(argv, env, tmp, args.importtime_runs)
+            libs_argv = stdlib_peer(py, others)
+            classes, classes_ms = class_creation(py, kvcd_args, env, tmp, args.importtime_runs)
             times: list[float] = []
             peers: list[float] = []
             libs: list[float] = []
-            peak = peer_peak = 0
             timed_run(argv, env, tmp)  # warm the page cache and the .pyc files
+            peak, peer_peak = peak_rss_kib(argv, env, tmp), peak_rss_kib(peer_argv, env, tmp)
             for i in range(args.runs):
                 order = [(argv, times), (peer_argv, peers), (libs_argv, libs)]
                 for cmd, into in order if i % 2 else reversed(order):
-                    seconds, rss = timed_run(cmd, env, tmp)
-                    into.append(seconds)
-                    if cmd is argv:
-                        peak = max(peak, rss)
-                    elif cmd is peer_argv:
-                        peer_peak = max(peer_peak, rss)
+                    into.append(timed_run(cmd, env, tmp))
             ms, peer_ms = statistics.median(times) * 1000, statistics.median(peers) * 1000
             libs_ms = statistics.median(libs) * 1000
             ratio = ms / peer_ms

@@ -20,6 +20,8 @@ APT_PACKAGES=(
   rpm rpmlint
   # python venv
   python3-venv
+  # GNU time: the benchmarks' peak RSS of a child (benchmarks/common.py peak_rss_kib)
+  time
   # pydbus (the `dbus` extra) needs PyGObject, built from source in the venv (no wheel), and
   # the D-Bus tests start a private dbus-daemon
   libgirepository1.0-dev libcairo2-dev pkg-config python3-dev dbus-daemon
