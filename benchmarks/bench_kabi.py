@@ -27,9 +27,7 @@ Usage: .venv/bin/python -m benchmarks.bench_kabi [--runs N] [--real] [--json FIL
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
-import io
 import os
 import re
 import shutil
@@ -41,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import ROOT, Figure, add_json_flag, report
+from benchmarks.common import Figure, add_json_flag, installed_python, report
 from kvcd.daemon.kabi import check_modules
 from kvcd.host.paths import HostRoot
 from tests.integration.kmods import build_test_kmods
@@ -58,11 +56,6 @@ comm -23 "$tmp/modvers" "$tmp/symvers" > "$tmp/bad"
 [ ! -s "$tmp/bad" ]
 """
 
-KVCD_STANDIN = (
-    "import sys; from pathlib import Path; from kvcd.daemon.kabi import kabi_command; "
-    "from kvcd.host.paths import HostRoot; "
-    "sys.exit(kabi_command(HostRoot(Path(sys.argv[1])), sys.argv[2], sys.argv[3], False))"
-)
 PEER = "weak-modules method"
 
 
@@ -82,23 +75,8 @@ def installed_6_1() -> list[str]:
     return sorted(found, key=lambda k: int(re.findall(r"\d+", k)[3]))
 
 
-def cli_has_kabi() -> bool:
-    from kvcd.cli import _parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            _parser().parse_args(["kabi", "x.ko", "--kernel", "k"])
-    except SystemExit:
-        return False
-    return True
-
-
-def kvcd_argv(root: Path, module: Path, kernel: str) -> list[str]:
-    if cli_has_kabi():
-        return [sys.executable, "-m", "kvcd.cli", "--root", str(root), "kabi", str(module),
-                "--kernel", kernel]  # fmt: skip
-    # Until cli.py routes `kabi`: the same function the verb calls, in a fresh interpreter.
-    return [sys.executable, "-c", KVCD_STANDIN, str(root), str(module), kernel]
+def kvcd_argv(python: str, root: Path, module: Path, kernel: str) -> list[str]:
+    return [python, "-m", "kvcd.cli", "--root", str(root), "kabi", str(module), "--kernel", kernel]
 
 
 def time_process(argv: list[str], runs: int, env: dict[str, str]) -> tuple[list[float], int]:
@@ -170,13 +148,14 @@ def main(argv: list[str] | None = None) -> None:
         if b != a:
             cases.append(Case(f"mlx5_core.ko ({a}) vs {b}", mlx5, b))
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LC_ALL": "C"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"LC_ALL": "C"}
     # Bytecode caches on, as an installed kvcd has them: without them every `kvcd kabi` run
     # compiles every module it imports (this environment sets PYTHONDONTWRITEBYTECODE).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     figures: list[Figure] = []
     raw: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        python = installed_python(Path(tmp) / "python")  # kvcd as the RPM installs it
         for case in cases:
             for layout in ("debian", "rhel"):
                 if layout == "debian":
@@ -187,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                     symvers = root(f"/boot/symvers-{case.kernel}.gz")
                 inproc, v_in = time_in_process(root, case.module, case.kernel, args.runs)
                 proc, v_proc = time_process(
-                    kvcd_argv(root.root, case.module, case.kernel), args.runs, env
+                    kvcd_argv(python, root.root, case.module, case.kernel), args.runs, env
                 )
                 weak, v_weak = time_process(
                     ["bash", "-c", WEAK_MODULES_METHOD, "bash", str(case.module), str(symvers)],
