@@ -35,6 +35,7 @@ BENCHES: list[tuple[str, list[str]]] = [
     ("bench_extract", ["--runs", "3"]),  # podman
     ("bench_soak", ["--cycles", "30"]),  # podman; --full: 1,000 cycles, ~20 min
     ("bench_rss", ["--settle", "10"]),  # podman
+    ("bench_startlive", ["--runs", "5"]),  # podman
 ]
 
 
