@@ -52,10 +52,14 @@ class Instance:
     ) -> None:
         self.root = root
         self.settings = settings
-        # Image variants (GEP-33): the one that fits this node supplies image/build.
-        from kvcd.daemon.variants import resolve_variant
+        # Image variants (GEP-33): the one that fits this node supplies image/build (imported
+        # for a config that has them only, as extensions.build does with its gates).
+        self.cfg = cfg
+        self.no_variant: str | None = None
+        if cfg.variants:
+            from kvcd.daemon.variants import resolve_variant
 
-        self.cfg, self.no_variant = resolve_variant(root, settings, cfg, kernel)
+            self.cfg, self.no_variant = resolve_variant(root, settings, cfg, kernel)
         self.kernel = kernel
         self.modules_dir = modules_dir  # for a kernel prepared ahead (plan "prepare")
         self.on_step = on_step
