@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +43,7 @@ from benchmarks.common import (
     installed_python,
     peak_rss_kib,
     report,
+    stderr_run,
     summary,
     timed_run,
 )
@@ -111,15 +111,7 @@ _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)$")
 
 def _stderr(argv: list[str], env: dict[str, str], cwd: str) -> str:
     """What `argv` (an interpreter and its arguments) wrote to stderr (its stdout dropped)."""
-    return subprocess.run(
-        argv,
-        env=env,
-        cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        check=False,
-    ).stderr
+    return stderr_run(argv, env, cwd).stderr
 
 
 def _importtime(argv: list[str], env: dict[str, str], cwd: str) -> dict[str, tuple[int, int]]:

@@ -47,15 +47,12 @@ def timed_run(
     return seconds
 
 
-def peak_rss_kib(
+def stderr_run(
     argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None
-) -> int:
-    """Peak RSS (KiB) of one run of `argv`, read by a small C parent (GNU time 1.9; busybox's
-    reports pages as KiB, 4x). Not this interpreter's wait4(2) rusage: a child's peak counts
-    the pages it held before its exec, so one forked from here reports at least this
-    interpreter's own RSS."""
-    out = subprocess.run(
-        ["/usr/bin/time", "-f", "KVCD-PEAK %M", *argv],
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` to its end: its stdout dropped, its stderr kept (text), its status unchecked."""
+    return subprocess.run(
+        list(argv),
         env=env,
         cwd=cwd,
         stdout=subprocess.DEVNULL,
@@ -63,6 +60,16 @@ def peak_rss_kib(
         text=True,
         check=False,
     )
+
+
+def peak_rss_kib(
+    argv: Sequence[str], env: dict[str, str] | None = None, cwd: str | None = None
+) -> int:
+    """Peak RSS (KiB) of one run of `argv`, read by a small C parent (GNU time 1.9; busybox's
+    reports pages as KiB, 4x). Not this interpreter's wait4(2) rusage: a child's peak counts
+    the pages it held before its exec, so one forked from here reports at least this
+    interpreter's own RSS."""
+    out = stderr_run(["/usr/bin/time", "-f", "KVCD-PEAK %M", *argv], env, cwd)
     found = [ln.split()[1] for ln in out.stderr.splitlines() if ln.startswith("KVCD-PEAK ")]
     if out.returncode != 0 or not found:
         sys.exit(f"benchmark command failed: {' '.join(argv)}: {out.stderr}")
