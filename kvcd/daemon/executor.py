@@ -106,6 +106,12 @@ class Executor:
             self._podman = self._podman_factory()
         return self._podman
 
+    def close(self) -> None:
+        """Close the podman client this executor made, if it made one (its API connection)."""
+        if self._podman is not None:
+            self._podman.close()
+            self._podman = None
+
     def _params(self, name: str) -> tuple[tuple[str, str], ...]:
         if self._params_by_name is None:  # a rollback asks per module: one scan, not one each
             self._params_by_name = {}

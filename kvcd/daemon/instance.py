@@ -65,6 +65,7 @@ class Instance:
         self.on_step = on_step
         self.on_build_line = on_build_line
         self._podman = podman or self._default_podman
+        self._owns_podman = podman is None  # its clients are closed with each change
 
     def _default_podman(self) -> Podman:
         from kvcd.host.podman import Podman
@@ -96,19 +97,23 @@ class Instance:
                 plan, about = self._claim(w, verb, pid)
             from kvcd.daemon.executor import Executor  # not for plans (check-config, --dry-run)
 
+            executor = Executor(
+                self.root,
+                self.cfg,
+                self.desired,
+                self._podman,
+                self.on_step,
+                self.on_build_line,
+                self.settings,
+            )
             try:
-                Executor(
-                    self.root,
-                    self.cfg,
-                    self.desired,
-                    self._podman,
-                    self.on_step,
-                    self.on_build_line,
-                    self.settings,
-                ).apply(plan)
+                executor.apply(plan)
             except StepFailed as exc:
                 _enter(w, about, state.DEGRADED, exc.code, exc.detail)
                 raise
+            finally:
+                if self._owns_podman:  # its API connection, not left to the garbage collector
+                    executor.close()
             return _enter(w, about, state.DONE, code, why)
 
     def _check_owner(self, w: Writer, verb: str, pid: int | None) -> None:

@@ -127,6 +127,37 @@ def modprobe_calls(fakes: Any) -> list[list[str]]:
     ]
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["done", "build failed"])
+def test_the_client_a_change_made_is_closed_with_it(
+    host: HostRoot, fake_commands: Any, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """Instance's own podman clients (one per change) are closed when the change ends, however
+    it ends: a daemon makes one per reload or force file, and one left to the garbage
+    collector holds its API socket open until a collection finds it."""
+    from kvcd.host import podman as podman_module
+
+    made: list[FakePodman] = []
+
+    class Client(FakePodman):
+        def __init__(self, url: str, timeout: float = 30.0) -> None:
+            super().__init__(host, K)
+            self.fail_build = fails
+            self.closed = False
+            made.append(self)
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(podman_module, "Podman", Client)
+    inst = Instance(host, Settings(), config(host), K)
+    if fails:
+        with pytest.raises(StepFailed):
+            inst.apply("load")
+    else:
+        assert inst.apply("load").state == state.DONE
+    assert [c.closed for c in made] == [True]
+
+
 def test_first_load_builds_extracts_activates_and_loads_in_order(
     host: HostRoot, fake_commands: Any
 ) -> None:
