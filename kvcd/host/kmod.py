@@ -34,6 +34,7 @@ SYSTEM_DEPMOD_DIRS = (
 )
 _PARAM_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INSMOD_RE = re.compile(r"^insmod (.+?\.ko(?:\.(?:xz|gz|zst))?)(?: .*)?$")
+_KO_SUFFIX_RE = re.compile(r"\.ko(\.\w+)?$")
 _SYMBOL_RE = re.compile(
     r"^depmod: WARNING: (?P<path>.+?) "
     r"(?P<kind>needs unknown symbol|disagrees about version of symbol) (?P<symbol>\S+)$"
@@ -292,11 +293,13 @@ def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str,
     entries = parse_show_depends(done.stdout)
     if len(entries) != len(lines):  # e.g. "install …": no module file to judge by
         return None
+    named: dict[str, str] = {}  # each distinct entry's name, worked out once (see below)
+    entry_names = [named.get(e) or named.setdefault(e, _entry_name(e)) for e in entries]
     out: dict[str, str | None] = {}
     at = 0
     for name in names:
         want = normalize(name)
-        while at < len(entries) and _entry_name(entries[at]) != want:
+        while at < len(entries) and entry_names[at] != want:
             at += 1
         if at == len(entries):
             return None
@@ -308,20 +311,31 @@ def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str,
 
 def _entry_name(entry: str) -> str:
     """The module name of a --show-depends entry (a path, or a built-in's bare name)."""
-    return normalize(re.sub(r"\.ko(\.\w+)?$", "", entry.rsplit("/", 1)[-1]))
+    return normalize(_KO_SUFFIX_RE.sub("", entry.rsplit("/", 1)[-1]))
 
 
 def parse_show_depends(text: str) -> list[str]:
-    """Parse `modprobe --show-depends` output (``insmod PATH [opts]`` / ``builtin NAME``)."""
+    """Parse `modprobe --show-depends` output (``insmod PATH [opts]`` / ``builtin NAME``).
+
+    With ``-a`` modprobe prints each name's whole chain, so a deep dependency chain repeats
+    its lines (N modules in a chain: N²/2 lines); each distinct line is parsed once."""
     out: list[str] = []
+    parsed: dict[str, str | None] = {}
     for raw in text.splitlines():
-        line = raw.rstrip()
-        m = _INSMOD_RE.match(line)
-        if m:
-            out.append(m[1])
-        elif line.startswith("builtin "):
-            out.append(line.split(None, 1)[1])
+        if raw in parsed:
+            entry = parsed[raw]
+        else:
+            entry = parsed[raw] = _show_depends_entry(raw.rstrip())
+        if entry is not None:
+            out.append(entry)
     return out
+
+
+def _show_depends_entry(line: str) -> str | None:
+    m = _INSMOD_RE.match(line)
+    if m:
+        return m[1]
+    return line.split(None, 1)[1] if line.startswith("builtin ") else None
 
 
 def _param_args(name: str, params: Sequence[tuple[str, str]]) -> list[str]:

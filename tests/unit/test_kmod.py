@@ -205,6 +205,15 @@ def test_show_depends_parses_modprobe(root: HostRoot, fake_commands: FakeCommand
     ]
 
 
+def test_parse_show_depends_keeps_every_repeated_line_in_order() -> None:
+    """`-a` repeats a chain's lines once per name: each is parsed once, every one is kept."""
+    chain = "insmod /m/a.ko \ninsmod /m/b.ko opt=1\nbuiltin crc32c\nnoise\n"
+    text = chain + "insmod /m/a.ko \n" + chain
+    assert kmod.parse_show_depends(text) == [
+        "/m/a.ko", "/m/b.ko", "crc32c", "/m/a.ko", "/m/a.ko", "/m/b.ko", "crc32c"
+    ]  # fmt: skip
+
+
 def test_parse_show_depends_paths_with_spaces_and_compression() -> None:
     text = "insmod /a b/x.ko.xz opt=1\ninsmod /c/y.ko\ninstall /bin/true\n"
     assert kmod.parse_show_depends(text) == ["/a b/x.ko.xz", "/c/y.ko"]
