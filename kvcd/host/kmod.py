@@ -293,8 +293,8 @@ def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str,
     entries = parse_show_depends(done.stdout)
     if len(entries) != len(lines):  # e.g. "install …": no module file to judge by
         return None
-    named: dict[str, str] = {}  # each distinct entry's name, worked out once (see below)
-    entry_names = [named.get(e) or named.setdefault(e, _entry_name(e)) for e in entries]
+    named = {e: _entry_name(e) for e in set(entries)}  # once each (see parse_show_depends)
+    entry_names = [named[e] for e in entries]
     out: dict[str, str | None] = {}
     at = 0
     for name in names:
@@ -319,16 +319,9 @@ def parse_show_depends(text: str) -> list[str]:
 
     With ``-a`` modprobe prints each name's whole chain, so a deep dependency chain repeats
     its lines (N modules in a chain: N²/2 lines); each distinct line is parsed once."""
-    out: list[str] = []
-    parsed: dict[str, str | None] = {}
-    for raw in text.splitlines():
-        if raw in parsed:
-            entry = parsed[raw]
-        else:
-            entry = parsed[raw] = _show_depends_entry(raw.rstrip())
-        if entry is not None:
-            out.append(entry)
-    return out
+    lines = text.splitlines()
+    parsed = {raw: _show_depends_entry(raw.rstrip()) for raw in set(lines)}
+    return [entry for raw in lines if (entry := parsed[raw]) is not None]
 
 
 def _show_depends_entry(line: str) -> str | None:
