@@ -27,6 +27,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvcd.core import ahead
 from kvcd.core.state import (
     DONE,
     DRAIN_PENDING,
@@ -105,9 +106,9 @@ def events_for(instance: str, before: Published | None, now: Published) -> list[
         out.append(NodeEvent(state_reason(now), text, warning=now.state == "Degraded"))
     was = (before.next_kernel, before.next_kernel_state) if before else ("", "")
     if now.next_kernel and (now.next_kernel, now.next_kernel_state) != was:
-        if now.next_kernel_state == "ready":
+        if now.next_kernel_state == ahead.READY:
             out.append(NodeEvent(NEXT_READY, f"{instance}: ready for kernel {now.next_kernel}"))
-        elif now.next_kernel_state == "failed":
+        elif now.next_kernel_state == ahead.FAILED:
             why = f": {now.next_kernel_reason}" if now.next_kernel_reason else ""
             out.append(
                 NodeEvent(

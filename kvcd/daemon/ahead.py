@@ -8,13 +8,13 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.core.actions import AcquireImage, Extract
+from kvcd.core.ahead import FAILED, NONE, READY, Outcome
 from kvcd.core.state import StepFailed
 from kvcd.daemon import kabi as daemon_kabi
 from kvcd.daemon import store
@@ -28,19 +28,6 @@ if TYPE_CHECKING:
     from kvcd.host.podman import Podman
 
 log = logging.getLogger(__name__)
-
-PREPARING, READY, FAILED = "preparing", "ready", "failed"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    kernel: str
-    """the next kernel; "" = none other than the running one (or unknown)"""
-    state: str = ""
-    reason: str = ""
-
-
-NONE = Outcome("")
 
 
 def _dep_lists(root: HostRoot, kernel: str, instance: str) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvcd.config.model import Settings
+from kvcd.core import ahead
 from kvcd.core import metrics as m
 from kvcd.core.state import DEGRADED
 from kvcd.daemon.events import Context, Extension, Verdict
@@ -236,7 +237,8 @@ def _families(root: HostRoot, name: str, problems: list[str]) -> list[Any]:
                 "Whether the instance is prepared for the kernel that boots next.",
                 labels=["instance", "kernel"],
             )
-            nk.add_metric([name, rec.next_kernel], 1.0 if rec.next_kernel_state == "ready" else 0.0)
+            ready = rec.next_kernel_state == ahead.READY
+            nk.add_metric([name, rec.next_kernel], 1.0 if ready else 0.0)
             out.append(nk)
     hist = HistogramMetricFamily(
         "kvcd_phase_duration_seconds",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
+from kvcd.core.ahead import FAILED, NONE, PREPARING, READY, Outcome
 from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
 from kvcd.daemon import imagelabels, metrics, storegc
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     from kvcd.host.fswatch import DirWatch
     from kvcd.host.podman import Podman
 
-from kvcd.daemon.ahead import FAILED, NONE, PREPARING, READY, Outcome, prepare
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,10 @@ class NextKernel(Extension):
                 extra=fields,
             )
             self.write(ctx, record, Outcome(nb.kernel, PREPARING))
+        # Here, not at import: most looks find no next kernel, and preparing brings the
+        # executor, kABI and ELF code with it (#20: the daemon's steady RSS).
+        from kvcd.daemon.ahead import prepare
+
         t0 = time.monotonic()
         try:
             outcome = prepare(

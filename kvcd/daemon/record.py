@@ -78,7 +78,8 @@ class Record:
     generation: int = 0
     pid: int | None = None
     # The kernel that boots next (staged rpm-ostree deployment or default boot entry), when it
-    # differs from `kernel`: its release, "ready" | "preparing" | "failed", and why it failed.
+    # differs from `kernel`: its release, kvcd.core.ahead's "ready" | "preparing" | "failed",
+    # and why it failed.
     next_kernel: str = ""
     next_kernel_state: str = ""
     next_kernel_reason: str = ""

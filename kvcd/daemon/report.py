@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
-from kvcd.core import nodeevents, upgradegate
+from kvcd.core import ahead, nodeevents, upgradegate
 from kvcd.daemon.events import Context, Event, Extension, Verdict
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
@@ -109,9 +109,7 @@ def node_patch(keys: Keys, record: Record) -> dict[str, str | None]:
         keys.of("boot-id"): record.boot_id or None,
     }
     nk: str | None = None
-    if record.next_kernel and record.next_kernel_state == "ready":
-        nk = f"{record.next_kernel} ready"
-    elif record.next_kernel and record.next_kernel_state == "failed":
+    if record.next_kernel and record.next_kernel_state == ahead.FAILED:
         nk = f"{record.next_kernel} failed: {record.next_kernel_reason}".rstrip(": ")
     elif record.next_kernel and record.next_kernel_state:
         nk = f"{record.next_kernel} {record.next_kernel_state}"
