@@ -34,7 +34,7 @@ from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, procs, pylibs, regauth
+from kvcd.host import failpoint, files, heap, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Keepalive, Notifier
 
@@ -70,8 +70,7 @@ class Service:
         self._deferred: list[Extension] = []  # built, started at the first late hooks
         self.ctx: Context | None = None
         self._timers: dict[int, float] = {}  # id(extension) -> monotonic time of its next tick
-        # The attempt ledger (persisted in the record; this copy survives an unwritable one)
-        # and, after a transient failure, when the back-off ends (wall clock).
+        # The attempt ledger (this copy survives an unwritable record); when back-off ends (wall).
         self.ledger: Attempt | None = None
         self.retry_at: float | None = None
         # run() defers the late after-hooks past READY=1 (run_late); a lone reconcile runs all.
@@ -437,6 +436,7 @@ class Service:
                 while not events:
                     if started:
                         self._idle()
+                    heap.trim()  # what the cycle freed, not its high-water mark (#20)
                     events = self._wait(None)
                     if self._take(signal.SIGTERM, signal.SIGINT):
                         return self.stop()

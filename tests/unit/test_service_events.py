@@ -28,6 +28,7 @@ from kvcd.daemon import extensions
 from kvcd.daemon.events import HOLD, LOAD, SKIP, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
+from kvcd.host import heap
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -264,6 +265,37 @@ def test_idle_work_runs_after_ready_when_no_event_waits(
     assert svc.run() == 0
     assert chore.saw_ready == [True]
     assert ext.seen == [[Event("start", kind=RETRY)], [Event("chore", "done")]]
+
+
+def test_the_heap_is_trimmed_when_the_loop_sleeps_never_inside_a_cycle(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a cycle freed goes back to the kernel (#20, steady RSS) once its work and the idle
+    work are done, just before the loop sleeps: not in the middle of a reconcile."""
+    calls: list[str] = []
+
+    class Chore(Extension):
+        name = "chore"
+        todo = True
+
+        def wants_idle(self) -> bool:
+            return self.todo
+
+        def idle(self, ctx: Context) -> None:
+            self.todo = False
+            calls.append("idle")
+            ctx.post(Event("chore", "done"))
+
+    def cycle(count: int, events: list[Event]) -> None:
+        calls.append("cycle")
+        if count == 2:
+            sigterm()
+
+    monkeypatch.setattr(heap, "trim", lambda: bool(calls.append("trim")) or True)
+    use(monkeypatch, Chore(), Scripted(on_verdict=cycle))
+    svc, _ = service(host)
+    assert svc.run() == 0
+    assert calls == ["cycle", "idle", "trim", "cycle", "trim"]
 
 
 def test_late_after_hooks_run_after_ready_and_outcome_hooks_before(
