@@ -71,4 +71,37 @@ if [ ! -e "$stamp" ] || [ ! -x .venv/bin/kvcd ]; then
   rm -f .venv/.kvcd-deps-*
   touch "$stamp"
 fi
-echo "setup: ok ($(.venv/bin/python --version), $(podman --version))"
+
+# The oldest Python kvcd supports (requires-python; RHEL 9's python3 is 3.9): its own venv, the
+# runtime dependencies and what the unit and docs tests need, so `make test-oldest` runs them on
+# it. No such interpreter is an error, not a skipped check.
+OLDEST=3.9
+py_oldest=${KVCD_OLDEST_PYTHON:-}
+if [ -z "$py_oldest" ]; then
+  # (pyenv's shim for python3.9 is on PATH even where it refuses to run: each is tried.)
+  for c in "$(command -v python$OLDEST || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/$OLDEST.*/bin/python$OLDEST; do
+    [ -x "$c" ] && "$c" -c 'import sys, venv' 2>/dev/null && { py_oldest=$c; break; }
+  done
+fi
+if [ -z "$py_oldest" ]; then
+  echo "setup: no Python $OLDEST (the oldest kvcd supports) found: install python$OLDEST or set KVCD_OLDEST_PYTHON" >&2
+  exit 1
+fi
+if [ ! -x .venv-oldest/bin/python ]; then
+  "$py_oldest" -m venv .venv-oldest
+fi
+stamp=.venv-oldest/.kvcd-deps-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+  log=.venv-oldest/setup-pip.log
+  echo "setup: installing the oldest-Python venv (.venv-oldest, $("$py_oldest" --version); log: $log)"
+  # The runtime dependencies as pyproject.toml names them, and the tests' own.
+  mapfile -t deps < <(.venv/bin/python -c 'import tomllib; [print(d) for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]]')
+  if ! .venv-oldest/bin/pip install -q "${deps[@]}" pytest hypothesis pyyaml >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "setup: pip install into .venv-oldest failed; the whole log is $log" >&2
+    exit 1
+  fi
+  rm -f .venv-oldest/.kvcd-deps-*
+  touch "$stamp"
+fi
+echo "setup: ok ($(.venv/bin/python --version), oldest $(.venv-oldest/bin/python --version), $(podman --version))"

@@ -159,11 +159,11 @@ class Hashes:
             threads = min(len(misses), _POOL_THREADS, os.cpu_count() or 1)
             shares = [misses[i::threads] for i in range(threads)]
             with ThreadPoolExecutor(threads, thread_name_prefix="kvcd-hash") as pool:
-                done = dict(zip(misses[:threads], pool.map(self._hash_all, shares), strict=True))
+                done = dict(zip(misses[:threads], pool.map(self._hash_all, shares)))
             hashed = [done[misses[i % threads]][i // threads] for i in range(len(misses))]
         else:
             hashed = self._hash_all(misses)
-        for path, (f, key) in zip(misses, hashed, strict=True):
+        for path, (f, key) in zip(misses, hashed):
             out[path] = f
             if key is not None:
                 self._known[path] = (key, f.sha256)

@@ -323,7 +323,8 @@ def test_link_after_hook(
     ext.start(context(host, cfg))
     start = clock.now
     recs = rec if isinstance(rec, list) else [rec] * len(elapsed)
-    for at, want, r in zip(elapsed, expected, recs, strict=True):
+    assert len(elapsed) == len(expected) == len(recs)
+    for at, want, r in zip(elapsed, expected, recs):
         clock.now = start + at
         assert ext.after(context(host, cfg), r) == want
     data = links.read_links(host, "e2e")
