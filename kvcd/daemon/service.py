@@ -9,8 +9,7 @@ Extensions (kvcd/daemon/events.py) watch the host and the node; their events wak
 their verdicts may redirect a reconcile (hold on drift, unload when the upgrade label goes away,
 stay idle without the device) or amend its outcome (waiting for links, report to the node).
 The loop sleeps in select() on a signal wakeup fd and the extensions' mailbox: no polling, ~0
-CPU while idle; periodic checks happen only when an extension asks for them.
-"""
+CPU while idle; periodic checks happen only when an extension asks for them."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, heap, procs, pylibs, regauth
+from kvcd.host import failpoint, files, heap, journal, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Keepalive, Notifier
 
@@ -149,6 +148,7 @@ class Service:
             pylibs.check_settings(self.root, settings)
             root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
+            journal.stamp(KVCD_KERNEL=self.kernel, KVCD_VERSION=self.cfg.version)
             check_upgrade_label(self.cfg, settings)
             regauth.check(self.root, self.cfg, settings)
         except ConfigError as exc:

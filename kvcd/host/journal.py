@@ -259,20 +259,32 @@ class JournalHandler(logging.Handler):
 
 
 class InstanceFilter(logging.Filter):
-    """Stamps ``KVCD_INSTANCE`` on every record that passes (unless it already has one).
+    """Stamps ``KVCD_INSTANCE``, and the fields :func:`stamp` adds (the kernel, the configured
+    version), on every record that passes; a record's own value of a field wins, unless empty.
 
     Attach it to a handler: one ``kvcd run <instance>`` process serves one instance, so every
-    record it emits — its own and its libraries' — belongs to that instance.
+    record it emits — its own, its threads' and its libraries' — belongs to that instance.
     """
 
     def __init__(self, instance: str) -> None:
         super().__init__()
-        self.instance = instance
+        self.fields = {INSTANCE_FIELD: instance}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, INSTANCE_FIELD, None) is None:
-            setattr(record, INSTANCE_FIELD, self.instance)
+        for key, value in self.fields.items():
+            if getattr(record, key, None) in (None, ""):
+                setattr(record, key, value)
         return True
+
+
+def stamp(**fields: str) -> None:
+    """From now on, stamp `fields` on every record of this process's instance (see
+    :class:`InstanceFilter`; nothing without one: a CLI verb, a test)."""
+    for handler in logging.getLogger().handlers:
+        if handler.get_name() == HANDLER_NAME:
+            for f in handler.filters:
+                if isinstance(f, InstanceFilter):
+                    f.fields.update(fields)
 
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from kvcd.host.journal import (
     InstanceFilter,
     JournalHandler,
     setup_logging,
+    stamp,
     stderr_is_journal,
     syslog_priority,
     valid_field_name,
@@ -454,6 +455,30 @@ def test_setup_under_systemd_uses_the_journal(clean_root: logging.Logger, jsock:
     assert e["KVCD_INSTANCE"] == "simple-kmod"
     assert e["MESSAGE_ID"] == MSG_LOADED
     assert jsock.nothing_queued()
+
+
+def test_stamped_fields_go_on_every_later_record_of_the_instance(
+    clean_root: logging.Logger, jsock: Journal
+) -> None:
+    """README: KVCD_INSTANCE, KVCD_KERNEL and KVCD_VERSION on every record of an instance,
+    whoever logs it (a watcher thread, a library), once the daemon knows them."""
+    env = {"INVOCATION_ID": "5f2c0b0e"}
+    setup_logging(False, "simple-kmod", env=env, journal_socket=str(jsock.path), stream=None)
+    logging.getLogger("kvcd.daemon.drift").info("before the config is read")
+    stamp(KVCD_KERNEL="6.1.0-56-amd64", KVCD_VERSION="1.0")
+    logging.getLogger("kvcd.daemon.drift").info("drift")
+    logging.getLogger("urllib3").warning("a library")
+    logging.getLogger("kvcd.daemon.x").info("own wins", extra={"KVCD_VERSION": "2.0"})
+    first = jsock.entry()
+    assert first["KVCD_INSTANCE"] == "simple-kmod" and "KVCD_VERSION" not in first
+    for _ in range(2):
+        e = jsock.entry()
+        assert (e["KVCD_INSTANCE"], e["KVCD_KERNEL"], e["KVCD_VERSION"]) == (
+            "simple-kmod",
+            "6.1.0-56-amd64",
+            "1.0",
+        )
+    assert jsock.entry()["KVCD_VERSION"] == "2.0"
 
 
 def test_setup_verbose_and_idempotent(clean_root: logging.Logger, jsock: Journal) -> None:

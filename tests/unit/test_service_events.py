@@ -28,7 +28,7 @@ from kvcd.daemon import extensions
 from kvcd.daemon.events import HOLD, LOAD, SKIP, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import heap
+from kvcd.host import heap, journal
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -265,6 +265,24 @@ def test_idle_work_runs_after_ready_when_no_event_waits(
     assert svc.run() == 0
     assert chore.saw_ready == [True]
     assert ext.seen == [[Event("start", kind=RETRY)], [Event("chore", "done")]]
+
+
+def test_the_journal_fields_follow_the_configured_version(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every journal line of the instance carries its kernel and configured version (README:
+    KVCD_VERSION on every record), from the config that was read, again after a reload."""
+    stamped: list[dict[str, str]] = []
+    monkeypatch.setattr(journal, "stamp", lambda **f: stamped.append(f))
+    use(monkeypatch)
+    svc, _ = service(host)
+    svc.reconcile([Event("start", kind=RETRY)])
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    assert stamped == [
+        {"KVCD_KERNEL": K, "KVCD_VERSION": "1.0"},
+        {"KVCD_KERNEL": K, "KVCD_VERSION": "2.0"},
+    ]
 
 
 def test_the_heap_is_trimmed_when_the_loop_sleeps_never_inside_a_cycle(

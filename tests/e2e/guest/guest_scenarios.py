@@ -233,6 +233,14 @@ def test_d_journal_has_structured_fields() -> None:
     assert "Done" in states, states
     assert any(e.get("KVCD_VERSION") == "2.0" for e in entries)
     assert any(e.get("KVCD_KERNEL") == kver() for e in entries)
+    # Every record of a daemon process from the moment it read its config (the first one that
+    # has the version) carries the kernel and the version: watcher threads' and libraries' too.
+    versioned: set[str] = set()
+    for e in sorted(entries, key=lambda e: int(e["__REALTIME_TIMESTAMP"])):
+        pid = e.get("_PID", "")
+        versioned |= {pid} if e.get("KVCD_VERSION") else set()
+        if pid in versioned:
+            assert e.get("KVCD_VERSION") and e.get("KVCD_KERNEL") == kver(), e.get("MESSAGE")
     assert any(e.get("MESSAGE_ID") for e in entries), "no MESSAGE_ID on any kvcd entry"
 
 
