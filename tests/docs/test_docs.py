@@ -437,3 +437,13 @@ def test_the_documented_event_reasons_are_the_ones_kvcd_posts() -> None:
     assert named, "no reasons found in README's Events bullet"
     assert named <= set(nodeevents.REASONS) | set(state.REASONS), named
     assert set(nodeevents.REASONS) <= named
+
+
+def test_the_unit_leaves_the_host_name_live() -> None:
+    """packaging/README.md promises that a host name set after kvcd started is seen (kvcd's
+    default node name is the host name, and kvcd starts early at boot, before DHCP or
+    cloud-init may set it): the unit must not give kvcd a private UTS namespace."""
+    text = (REPO / "packaging/README.md").read_text()
+    assert "deliberately has no `ProtectHostname=`" in " ".join(text.split())
+    unit = (REPO / "systemd/kvcd@.service").read_text()
+    assert not re.search(r"^\s*ProtectHostname\s*=", unit, re.M), "kvcd@.service: ProtectHostname="
