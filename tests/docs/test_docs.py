@@ -447,3 +447,19 @@ def test_the_unit_leaves_the_host_name_live() -> None:
     assert "deliberately has no `ProtectHostname=`" in " ".join(text.split())
     unit = (REPO / "systemd/kvcd@.service").read_text()
     assert not re.search(r"^\s*ProtectHostname\s*=", unit, re.M), "kvcd@.service: ProtectHostname="
+
+
+def test_every_mention_of_protectsystem_is_the_units() -> None:
+    """Docs, the shipped config and kvcd's own messages (modtree's "add a drop-in" error) tell
+    the admin what the unit's ProtectSystem= is: it must be the value the unit has."""
+    (shipped,) = re.findall(
+        r"^ProtectSystem=(\S+)$", (REPO / "systemd/kvcd@.service").read_text(), re.M
+    )
+    sources = [
+        *DOCS,
+        *sorted((REPO / "config").glob("*.toml")),
+        *sorted((REPO / "kvcd").rglob("*.py")),
+    ]
+    for path in sources:
+        for m in re.finditer(r"ProtectSystem=(\w+)", path.read_text()):
+            assert m.group(1) == shipped, f"{path.relative_to(REPO)}: {m.group(0)}, unit: {shipped}"
