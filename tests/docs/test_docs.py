@@ -463,3 +463,25 @@ def test_every_mention_of_protectsystem_is_the_units() -> None:
     for path in sources:
         for m in re.finditer(r"ProtectSystem=(\w+)", path.read_text()):
             assert m.group(1) == shipped, f"{path.relative_to(REPO)}: {m.group(0)}, unit: {shipped}"
+
+
+def test_every_key_kvcd_accepts_is_in_the_shipped_examples() -> None:
+    """README: "Every key is documented in config/example-instance.toml"; config/kvcd.toml
+    shows every setting. A key the loader accepts must appear there, set or commented out
+    (`key = ...`, or as a `[table]`), so a new key cannot ship undocumented."""
+    from kvcd.config import capsconf, rules
+
+    def missing(path: Path, keys: tuple[str, ...]) -> list[str]:
+        text = path.read_text()
+        return [
+            k for k in keys if not re.search(rf"(?<![\w.-]){k}\s*=|\[(?:[\w.<>]*\.)?{k}[.\]]", text)
+        ]
+
+    instance = (
+        *rules.TOP_KEYS,
+        *rules.BUILD_KEYS,
+        *capsconf._VARIANT_KEYS,
+        *capsconf._LINK_KEYS,
+    )
+    assert missing(REPO / "config/example-instance.toml", instance) == []
+    assert missing(REPO / "config/kvcd.toml", rules.SETTINGS_KEYS) == []
