@@ -24,6 +24,7 @@ import base64
 import configparser
 import re
 import shlex
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -370,12 +371,52 @@ def test_the_examples_carry_the_files_they_describe() -> None:
     assert "/etc/systemd/system/kvcd@.service.d/10-node-name.conf" in paths
 
 
+def check_kubeconfig(where: str, text: str) -> None:
+    """What the kubernetes client kvcd uses (KubeBackend.api) loads, with a token."""
+    kube_config = pytest.importorskip("kubernetes.config")
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    with tempfile.NamedTemporaryFile("w", suffix=".kubeconfig") as f:
+        f.write(text)
+        f.flush()
+        try:
+            kube_config.load_kube_config(config_file=f.name, client_configuration=cfg)
+        except Exception as exc:
+            pytest.fail(f"{where}: the kubernetes client refuses this kubeconfig: {exc}")
+    assert cfg.host.startswith("https://"), where
+    assert any(v.startswith("Bearer ") for v in cfg.api_key.values()), f"{where}: no token"
+
+
+def test_the_machineconfig_reports_to_the_node_object() -> None:
+    """Its node-name drop-in says kvcd reports to the cluster as this node: that takes the
+    kubernetes backend (the default, "file", reaches no Node) and a kubeconfig it can read,
+    root's alone (mode 0600), on the path kvcd.toml names."""
+    doc = REPO / "packaging/rpm-ostree/99-kvcd-machineconfig.yaml"
+    files = {
+        f["path"]: f
+        for obj in yaml.safe_load_all(doc.read_text())
+        for f in obj.get("spec", {}).get("config", {}).get("storage", {}).get("files", [])
+    }
+    text = _data_url(files["/etc/kvcd/kvcd.toml"]["contents"]["source"])
+    settings = check_toml(f"{doc.name}:/etc/kvcd/kvcd.toml", f"# /etc/kvcd/kvcd.toml\n{text}")
+    assert isinstance(settings, Settings)
+    assert settings.node_backend == "kubernetes"
+    kubeconfig = files[settings.kubeconfig]
+    assert kubeconfig["mode"] == 0o600
+    check_kubeconfig(
+        f"{doc.name}:{settings.kubeconfig}", _data_url(kubeconfig["contents"]["source"])
+    )
+
+
 @pytest.mark.parametrize(("where", "path", "text"), PAYLOADS, ids=[w for w, _p, _t in PAYLOADS])
 def test_every_payload_is_what_kvcd_accepts(where: str, path: str, text: str) -> None:
     if path.startswith("/etc/kvcd/") and path.endswith(".toml"):
         check_toml(where, f"# {path}\n{text}")
     elif re.search(r"\.(service|conf)$", path) and "/systemd/" in path:
         check_dropin(where, text, caption_required=False)
+    elif path == "/etc/kvcd/kubeconfig":
+        check_kubeconfig(where, text)
     elif path.startswith("/etc/yum.repos.d/"):
         parser = configparser.ConfigParser(interpolation=None)
         parser.read_string(text)
