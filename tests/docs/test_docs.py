@@ -526,3 +526,63 @@ def test_every_key_kvcd_accepts_is_in_the_shipped_examples() -> None:
     )
     assert missing(REPO / "config/example-instance.toml", instance) == []
     assert missing(REPO / "config/kvcd.toml", rules.SETTINGS_KEYS) == []
+
+
+def test_the_synopsis_names_every_verb_and_option() -> None:
+    """The reverse of check_synopsis: a verb or option kvcd has is in README's synopsis."""
+    (block,) = [b for b in ALL_BLOCKS if classify(b) == "synopsis" and b.doc.name == "README.md"]
+    parser = cli._parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines: dict[str, str] = {}
+    for line in block.text.splitlines():
+        words = line.split()
+        verb = " ".join(words[3:5]) if words[3] == "image" else words[3]
+        lines[verb] = lines.get(verb, "") + line
+    for verb, sub in verbs.choices.items():
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        subs = {f"{verb} {w}": p for w, p in nested[0].choices.items()} if nested else {verb: sub}
+        for name, p in subs.items():
+            assert name in lines, f"README's synopsis has no `kvcd {name}`"
+            for opt in {a.option_strings[-1] for a in p._actions if a.option_strings} - {"--help"}:
+                assert opt in lines[name], f"README's synopsis: `kvcd {name}` lacks {opt}"
+
+
+def test_the_signal_refusals_are_what_kvcd_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's "Signals" bullet quotes kvcd reload's refusals: each is what kvcd prints for a
+    pid file holding a bad pid, a gone process or another process, and for no pid file."""
+    import json
+    import os
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    bullet = text[text.index("- **Signals.**") : text.index("- **Names and kernels.**")]
+    forms = [f for f in re.findall(r"`([^`]+)`", bullet) if f.endswith("nothing signalled")]
+
+    def pattern(form: str) -> str:
+        out = re.escape(form).replace("/run/kvcd/NAME\\.pid", ".*/run/kvcd/foo\\.pid")
+        return out.replace("NAME", "foo").replace("N", "-?[0-9]+").replace("…", ".+")
+
+    (tmp_path / "run/kvcd").mkdir(parents=True)
+    pid_file = tmp_path / "run/kvcd/foo.pid"
+    said = []
+    gone = next(p for p in range(999_999, 0, -1) if not os.path.exists(f"/proc/{p}"))
+    for content in (None, "0", "-5", json.dumps({"pid": gone, "start": 1}), str(os.getpid())):
+        if content is None:
+            pid_file.unlink(missing_ok=True)
+        else:
+            pid_file.write_text(content + "\n")
+        assert cli.main(["--root", str(tmp_path), "reload", "foo"]) == 1
+        said.append(capsys.readouterr().err.strip().removeprefix("kvcd: "))
+    for line in said:
+        assert any(re.fullmatch(pattern(f), line) for f in forms), (line, forms)
+    for form in forms:
+        assert any(re.fullmatch(pattern(form), line) for line in said), (form, said)
+
+
+def test_the_quoted_next_kernel_line_is_what_kvcd_logs() -> None:
+    """README quotes the first start's journal line on a prepared kernel: the placeholders
+    (<kver>, <how>) stand for the %s of the format kvcd logs with."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    (quoted,) = re.findall(r"`(modules for <kver> were prepared before the reboot[^`]*)`", text)
+    assert re.sub(r"<[a-z ]+>", "%s", quoted) in KVCD_LITERALS, quoted
