@@ -586,3 +586,35 @@ def test_the_quoted_next_kernel_line_is_what_kvcd_logs() -> None:
     text = " ".join((REPO / "README.md").read_text().split())
     (quoted,) = re.findall(r"`(modules for <kver> were prepared before the reboot[^`]*)`", text)
     assert re.sub(r"<[a-z ]+>", "%s", quoted) in KVCD_LITERALS, quoted
+
+
+def test_the_install_table_lists_what_the_rpm_installs() -> None:
+    """packaging/README.md's "What the package installs" names each path of kvcd's %files."""
+    macros = {
+        "_bindir": "/usr/bin",
+        "_unitdir": "/usr/lib/systemd/system",
+        "_systemdgeneratordir": "/usr/lib/systemd/system-generators",
+        "_kernel_install_dir": "/usr/lib/kernel/install.d",
+        "_tmpfilesdir": "/usr/lib/tmpfiles.d",
+        "_sysconfdir": "/etc",
+        "kvcd_vendordir": "/usr/lib/kvcd",
+        "_sharedstatedir": "/var/lib",
+        "_rundir": "/run",
+        "name": "kvcd",
+    }
+    spec = (REPO / "rpm.spec").read_text()
+    section = spec.split("\n%files -f")[1].split("\n%files ")[0]
+    paths = []
+    for line in section.splitlines()[1:]:
+        words = line.split()
+        if not words or words[0] in ("%license", "%doc"):
+            continue
+        path = re.sub(r"%\{(\w+)\}", lambda m: macros[m.group(1)], words[-1])
+        if path != "/usr/lib/kernel/install.d":  # a directory every kernel-install plugin shares
+            paths.append(path)
+    assert paths, "no %files in rpm.spec"
+    doc = (REPO / "packaging/README.md").read_text()
+    table = doc[doc.index("## What the package installs") :].split("\n\n")[1]
+    listed = {p.rstrip("/") for p in re.findall(r"^\| `([^`]+)`", table, re.M)}
+    # A directory is listed by its own row or by the rows of what it holds.
+    assert [p for p in paths if not any(x == p or x.startswith(p + "/") for x in listed)] == []
