@@ -1,4 +1,5 @@
-"""Docs are tests: what README.md and packaging/ tell an admin to paste is fed to kvcd's own code.
+"""Docs are tests: what README.md, packaging/ and docs/ tell an admin to paste is fed to kvcd's own
+code.
 
 Every fenced block of the Markdown files, and every file payload of the Butane and MachineConfig
 examples, is classified and checked:
@@ -40,13 +41,18 @@ from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.host import journal
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "packaging").rglob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    *sorted((REPO / "packaging").rglob("*.md")),
+    *sorted((REPO / "docs").rglob("*.md")),
+]
 PAYLOAD_FILES = [
     REPO / "packaging/rpm-ostree/99-kvcd-machineconfig.yaml",
     REPO / "packaging/rpm-ostree/kvcd-fcos.bu",
 ]
 # Blocks that show output or are not for pasting: (file name, first line of the block).
 OUTPUT_BLOCKS = {
+    ("internals.md", "<module_root>/lib/modules/<k>/"),  # a directory layout, drawn
     ("README.md", "drift: watching 12 files"),
     (
         "README.md",
