@@ -247,7 +247,7 @@ def _writable(path: Path) -> Iterator[None]:
             raise
         raise KmodError(
             f'cannot write {path}: {exc.strerror} (module_tree = "system" needs a writable '
-            "/lib/modules: kvcd@.service has ProtectSystem=full, so add a drop-in with "
+            "/lib/modules: kvcd@.service has ProtectSystem=strict, so add a drop-in with "
             'ReadWritePaths=/usr/lib/modules; on rpm-ostree hosts use module_tree = "kvcd")'
         ) from exc
 

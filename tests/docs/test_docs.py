@@ -1,4 +1,5 @@
-"""Docs are tests: what README.md and packaging/ tell an admin to paste is fed to kvcd's own code.
+"""Docs are tests: what README.md, packaging/ and docs/ tell an admin to paste is fed to kvcd's own
+code.
 
 Every fenced block of the Markdown files, and every file payload of the Butane and MachineConfig
 examples, is classified and checked:
@@ -24,6 +25,7 @@ import base64
 import configparser
 import re
 import shlex
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,13 +41,18 @@ from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.host import journal
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "packaging").rglob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    *sorted((REPO / "packaging").rglob("*.md")),
+    *sorted((REPO / "docs").rglob("*.md")),
+]
 PAYLOAD_FILES = [
     REPO / "packaging/rpm-ostree/99-kvcd-machineconfig.yaml",
     REPO / "packaging/rpm-ostree/kvcd-fcos.bu",
 ]
 # Blocks that show output or are not for pasting: (file name, first line of the block).
 OUTPUT_BLOCKS = {
+    ("internals.md", "<module_root>/lib/modules/<k>/"),  # a directory layout, drawn
     ("README.md", "drift: watching 12 files"),
     (
         "README.md",
@@ -370,12 +377,52 @@ def test_the_examples_carry_the_files_they_describe() -> None:
     assert "/etc/systemd/system/kvcd@.service.d/10-node-name.conf" in paths
 
 
+def check_kubeconfig(where: str, text: str) -> None:
+    """What the kubernetes client kvcd uses (KubeBackend.api) loads, with a token."""
+    kube_config = pytest.importorskip("kubernetes.config")
+    from kubernetes import client
+
+    cfg = client.Configuration()
+    with tempfile.NamedTemporaryFile("w", suffix=".kubeconfig") as f:
+        f.write(text)
+        f.flush()
+        try:
+            kube_config.load_kube_config(config_file=f.name, client_configuration=cfg)
+        except Exception as exc:
+            pytest.fail(f"{where}: the kubernetes client refuses this kubeconfig: {exc}")
+    assert cfg.host.startswith("https://"), where
+    assert any(v.startswith("Bearer ") for v in cfg.api_key.values()), f"{where}: no token"
+
+
+def test_the_machineconfig_reports_to_the_node_object() -> None:
+    """Its node-name drop-in says kvcd reports to the cluster as this node: that takes the
+    kubernetes backend (the default, "file", reaches no Node) and a kubeconfig it can read,
+    root's alone (mode 0600), on the path kvcd.toml names."""
+    doc = REPO / "packaging/rpm-ostree/99-kvcd-machineconfig.yaml"
+    files = {
+        f["path"]: f
+        for obj in yaml.safe_load_all(doc.read_text())
+        for f in obj.get("spec", {}).get("config", {}).get("storage", {}).get("files", [])
+    }
+    text = _data_url(files["/etc/kvcd/kvcd.toml"]["contents"]["source"])
+    settings = check_toml(f"{doc.name}:/etc/kvcd/kvcd.toml", f"# /etc/kvcd/kvcd.toml\n{text}")
+    assert isinstance(settings, Settings)
+    assert settings.node_backend == "kubernetes"
+    kubeconfig = files[settings.kubeconfig]
+    assert kubeconfig["mode"] == 0o600
+    check_kubeconfig(
+        f"{doc.name}:{settings.kubeconfig}", _data_url(kubeconfig["contents"]["source"])
+    )
+
+
 @pytest.mark.parametrize(("where", "path", "text"), PAYLOADS, ids=[w for w, _p, _t in PAYLOADS])
 def test_every_payload_is_what_kvcd_accepts(where: str, path: str, text: str) -> None:
     if path.startswith("/etc/kvcd/") and path.endswith(".toml"):
         check_toml(where, f"# {path}\n{text}")
     elif re.search(r"\.(service|conf)$", path) and "/systemd/" in path:
         check_dropin(where, text, caption_required=False)
+    elif path == "/etc/kvcd/kubeconfig":
+        check_kubeconfig(where, text)
     elif path.startswith("/etc/yum.repos.d/"):
         parser = configparser.ConfigParser(interpolation=None)
         parser.read_string(text)
@@ -437,3 +484,143 @@ def test_the_documented_event_reasons_are_the_ones_kvcd_posts() -> None:
     assert named, "no reasons found in README's Events bullet"
     assert named <= set(nodeevents.REASONS) | set(state.REASONS), named
     assert set(nodeevents.REASONS) <= named
+
+
+def test_the_unit_leaves_the_host_name_live() -> None:
+    """packaging/README.md promises that a host name set after kvcd started is seen (kvcd's
+    default node name is the host name, and kvcd starts early at boot, before DHCP or
+    cloud-init may set it): the unit must not give kvcd a private UTS namespace."""
+    text = (REPO / "packaging/README.md").read_text()
+    assert "deliberately has no `ProtectHostname=`" in " ".join(text.split())
+    unit = (REPO / "systemd/kvcd@.service").read_text()
+    assert not re.search(r"^\s*ProtectHostname\s*=", unit, re.M), "kvcd@.service: ProtectHostname="
+
+
+def test_every_mention_of_protectsystem_is_the_units() -> None:
+    """Docs, the shipped config and kvcd's own messages (modtree's "add a drop-in" error) tell
+    the admin what the unit's ProtectSystem= is: it must be the value the unit has."""
+    (shipped,) = re.findall(
+        r"^ProtectSystem=(\S+)$", (REPO / "systemd/kvcd@.service").read_text(), re.M
+    )
+    sources = [
+        *DOCS,
+        *sorted((REPO / "config").glob("*.toml")),
+        *sorted((REPO / "kvcd").rglob("*.py")),
+    ]
+    for path in sources:
+        for m in re.finditer(r"ProtectSystem=(\w+)", path.read_text()):
+            assert m.group(1) == shipped, f"{path.relative_to(REPO)}: {m.group(0)}, unit: {shipped}"
+
+
+def test_every_key_kvcd_accepts_is_in_the_shipped_examples() -> None:
+    """README: "Every key is documented in config/example-instance.toml"; config/kvcd.toml
+    shows every setting. A key the loader accepts must appear there, set or commented out
+    (`key = ...`, or as a `[table]`), so a new key cannot ship undocumented."""
+    from kvcd.config import capsconf, rules
+
+    def missing(path: Path, keys: tuple[str, ...]) -> list[str]:
+        text = path.read_text()
+        return [
+            k for k in keys if not re.search(rf"(?<![\w.-]){k}\s*=|\[(?:[\w.<>]*\.)?{k}[.\]]", text)
+        ]
+
+    instance = (
+        *rules.TOP_KEYS,
+        *rules.BUILD_KEYS,
+        *capsconf._VARIANT_KEYS,
+        *capsconf._LINK_KEYS,
+    )
+    assert missing(REPO / "config/example-instance.toml", instance) == []
+    assert missing(REPO / "config/kvcd.toml", rules.SETTINGS_KEYS) == []
+
+
+def test_the_synopsis_names_every_verb_and_option() -> None:
+    """The reverse of check_synopsis: a verb or option kvcd has is in README's synopsis."""
+    (block,) = [b for b in ALL_BLOCKS if classify(b) == "synopsis" and b.doc.name == "README.md"]
+    parser = cli._parser()
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines: dict[str, str] = {}
+    for line in block.text.splitlines():
+        words = line.split()
+        verb = " ".join(words[3:5]) if words[3] == "image" else words[3]
+        lines[verb] = lines.get(verb, "") + line
+    for verb, sub in verbs.choices.items():
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+        subs = {f"{verb} {w}": p for w, p in nested[0].choices.items()} if nested else {verb: sub}
+        for name, p in subs.items():
+            assert name in lines, f"README's synopsis has no `kvcd {name}`"
+            for opt in {a.option_strings[-1] for a in p._actions if a.option_strings} - {"--help"}:
+                assert opt in lines[name], f"README's synopsis: `kvcd {name}` lacks {opt}"
+
+
+def test_the_signal_refusals_are_what_kvcd_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's "Signals" bullet quotes kvcd reload's refusals: each is what kvcd prints for a
+    pid file holding a bad pid, a gone process or another process, and for no pid file."""
+    import json
+    import os
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    bullet = text[text.index("- **Signals.**") : text.index("- **Names and kernels.**")]
+    forms = [f for f in re.findall(r"`([^`]+)`", bullet) if f.endswith("nothing signalled")]
+
+    def pattern(form: str) -> str:
+        out = re.escape(form).replace("/run/kvcd/NAME\\.pid", ".*/run/kvcd/foo\\.pid")
+        return out.replace("NAME", "foo").replace("N", "-?[0-9]+").replace("…", ".+")
+
+    (tmp_path / "run/kvcd").mkdir(parents=True)
+    pid_file = tmp_path / "run/kvcd/foo.pid"
+    said = []
+    gone = next(p for p in range(999_999, 0, -1) if not os.path.exists(f"/proc/{p}"))
+    for content in (None, "0", "-5", json.dumps({"pid": gone, "start": 1}), str(os.getpid())):
+        if content is None:
+            pid_file.unlink(missing_ok=True)
+        else:
+            pid_file.write_text(content + "\n")
+        assert cli.main(["--root", str(tmp_path), "reload", "foo"]) == 1
+        said.append(capsys.readouterr().err.strip().removeprefix("kvcd: "))
+    for line in said:
+        assert any(re.fullmatch(pattern(f), line) for f in forms), (line, forms)
+    for form in forms:
+        assert any(re.fullmatch(pattern(form), line) for line in said), (form, said)
+
+
+def test_the_quoted_next_kernel_line_is_what_kvcd_logs() -> None:
+    """README quotes the first start's journal line on a prepared kernel: the placeholders
+    (<kver>, <how>) stand for the %s of the format kvcd logs with."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    (quoted,) = re.findall(r"`(modules for <kver> were prepared before the reboot[^`]*)`", text)
+    assert re.sub(r"<[a-z ]+>", "%s", quoted) in KVCD_LITERALS, quoted
+
+
+def test_the_install_table_lists_what_the_rpm_installs() -> None:
+    """packaging/README.md's "What the package installs" names each path of kvcd's %files."""
+    macros = {
+        "_bindir": "/usr/bin",
+        "_unitdir": "/usr/lib/systemd/system",
+        "_systemdgeneratordir": "/usr/lib/systemd/system-generators",
+        "_kernel_install_dir": "/usr/lib/kernel/install.d",
+        "_tmpfilesdir": "/usr/lib/tmpfiles.d",
+        "_sysconfdir": "/etc",
+        "kvcd_vendordir": "/usr/lib/kvcd",
+        "_sharedstatedir": "/var/lib",
+        "_rundir": "/run",
+        "name": "kvcd",
+    }
+    spec = (REPO / "rpm.spec").read_text()
+    section = spec.split("\n%files -f")[1].split("\n%files ")[0]
+    paths = []
+    for line in section.splitlines()[1:]:
+        words = line.split()
+        if not words or words[0] in ("%license", "%doc"):
+            continue
+        path = re.sub(r"%\{(\w+)\}", lambda m: macros[m.group(1)], words[-1])
+        if path != "/usr/lib/kernel/install.d":  # a directory every kernel-install plugin shares
+            paths.append(path)
+    assert paths, "no %files in rpm.spec"
+    doc = (REPO / "packaging/README.md").read_text()
+    table = doc[doc.index("## What the package installs") :].split("\n\n")[1]
+    listed = {p.rstrip("/") for p in re.findall(r"^\| `([^`]+)`", table, re.M)}
+    # A directory is listed by its own row or by the rows of what it holds.
+    assert [p for p in paths if not any(x == p or x.startswith(p + "/") for x in listed)] == []

@@ -8,6 +8,7 @@ The unit itself is tested byte for byte; nothing is rewritten.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -125,6 +126,9 @@ def test_contract_lines() -> None:
         "MemoryDenyWriteExecute",
         "DynamicUser",
         "User",
+        # A private UTS namespace freezes the host name at start (early boot): kvcd's default
+        # node name would miss a name DHCP or cloud-init sets later (packaging/README.md).
+        "ProtectHostname",
     ):
         assert forbidden not in svc, forbidden
     # What it needs inside its sandbox.
@@ -143,3 +147,19 @@ def test_the_sandbox_scores_at_most_5(analyze: str, tmp_path: Path) -> None:
     done = run([analyze, "security", "--offline=true", str(unit)], check=False, timeout=60)
     score = float(done.stdout.split("Overall exposure level for kvcd@test.service:")[1].split()[0])
     assert score <= 5.0, done.stdout
+
+
+def test_the_documented_score_is_the_measured_one(analyze: str, tmp_path: Path) -> None:
+    """README.md and the unit's own comment state the score: both are what systemd measures."""
+    unit = tmp_path / "kvcd@test.service"
+    unit.write_text(UNIT.read_text())
+    done = run([analyze, "security", "--offline=true", str(unit)], check=False, timeout=60)
+    score = done.stdout.split("Overall exposure level for kvcd@test.service:")[1].split()[0]
+
+    def prose(text: str) -> str:  # comment markers and line breaks gone
+        return " ".join(re.sub(r"^\s*#", "", text, flags=re.M).split())
+
+    readme = prose((UNIT.parents[1] / "README.md").read_text())
+    stated = re.findall(r"security kvcd@NAME\.service` scores it (\d+\.\d+) ", readme)
+    stated += re.findall(r"scores this unit (\d+\.\d+) ", prose(UNIT.read_text()))
+    assert stated == [score, score], (stated, done.stdout)

@@ -569,7 +569,7 @@ def test_modinfo_of_zstd_modules_failure(tmp_path: Path, fake_commands: FakeComm
 def test_read_only_system_tree_says_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """module_tree = "system" under ProtectSystem=full (or any read-only /usr): the error names
+    """module_tree = "system" under ProtectSystem=strict (or any read-only /usr): the error names
     the directory and the drop-in that fixes it."""
     root = HostRoot(tmp_path, system_tree=True)
     (root.system_modules("6.1.0-56-amd64") / "kernel").mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Guest-side scenarios for kvcd.toml ``module_tree = "system"`` (issue #4): the instance's
 modules installed into the system's own /lib/modules, on a real kernel, under the real unit.
 
-(s1) With the unit as shipped (ProtectSystem=full: /usr, and so Debian's merged /lib, is
+(s1) With the unit as shipped (ProtectSystem=strict: /usr, and so Debian's merged /lib, is
      read-only for kvcd) the install is refused, and the reason says which drop-in fixes it.
 (s2) With that drop-in (ReadWritePaths=/usr/lib/modules), accepted the documented way (the
      force file renews the unit baseline the drift monitor keeps): Done; the modules are a copy
