@@ -178,7 +178,7 @@ class NodeWriter:
 
 
 # The environment variable that names the node (packaging/README.md: a kvcd@.service drop-in
-# with Environment=KVCD_NODE_NAME=%H where the kubelet's node name is not the host name).
+# with the kubelet's name where it is not the host name).
 NODE_NAME_ENV = "KVCD_NODE_NAME"
 
 
