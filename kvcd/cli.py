@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -44,10 +45,21 @@ def _instance(
     return sp
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (float() also takes 'nan', 'inf' and '-1')."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _reload(sp: argparse.ArgumentParser) -> None:
     _instance(sp).add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=1800.0,
         help="seconds to wait for the result (default: 1800, the unit's TimeoutStartSec)",
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcd.config.model import ConfigError
+from kvcd.config.rules import MAX_KVC_EXPANDED, MAX_KVC_VALUE
 
 __all__ = ["Assignment", "parse_assignments"]
 
@@ -55,6 +56,9 @@ class _Lexer:
         self.vars: dict[str, str] = dict(known)
         self.arrays: set[str] = set()
         self.runtime_only = runtime_only
+        self.assigning = ""  # the variable whose value is being read
+        self.expanded = 0  # characters expanded into that value so far
+        self.expanded_total = 0  # ... and into every value of the file
 
     # --- helpers ---
     def fail(self, message: str, line: int | None = None) -> ConfigError:
@@ -144,15 +148,25 @@ class _Lexer:
         self.pos += 1  # '='
         if name in self.runtime_only:
             raise self.fail(f"'{name}' cannot be assigned here: {self.runtime_only[name]}")
+        self.assigning, self.expanded = name, 0
         if self.peek() == "(":
             words = self.array(name)
-            self.vars[name] = " ".join(words)
+            self.vars[name] = self.bounded(" ".join(words), line)
             self.arrays.add(name)
             return Assignment(name, " ".join(words), line, words)
         value = self.word(in_array=False) if not self.at_value_end() else ""
-        self.vars[name] = value
+        self.vars[name] = self.bounded(value, line)
         self.arrays.discard(name)
         return Assignment(name, value, line)
+
+    def bounded(self, value: str, line: int) -> str:
+        if len(value) > MAX_KVC_VALUE:
+            raise self.fail(
+                f"the value of '{self.assigning}' is {len(value)} characters long; a KVC conf "
+                f"value may have at most {MAX_KVC_VALUE}",
+                line,
+            )
+        return value
 
     def export_names_only(self) -> bool:
         """Consume ``NAME [NAME...]`` after ``export``; False if that is not the whole line."""
@@ -321,4 +335,18 @@ class _Lexer:
                 f"unknown variable '{name}': only variables assigned earlier in this file "
                 "can be expanded (kvcd reads the file as data; it never runs it)"
             )
-        return self.vars[name]
+        value = self.vars[name]
+        # Counted before the caller joins it in, so a bomb stops before it takes memory.
+        self.expanded += len(value)
+        self.expanded_total += len(value)
+        if self.expanded > MAX_KVC_VALUE:
+            raise self.fail(
+                f"expanding '${name}' makes the value of '{self.assigning}' longer than "
+                f"{MAX_KVC_VALUE} characters, the most a KVC conf value may have"
+            )
+        if self.expanded_total > MAX_KVC_EXPANDED:
+            raise self.fail(
+                f"expanding '${name}' makes the expanded values of this file longer than "
+                f"{MAX_KVC_EXPANDED} characters in all, the most kvcd expands in one KVC conf"
+            )
+        return value

@@ -322,6 +322,10 @@ def valid_firmware_path(value: object, label: str) -> str:
 MAX_MODULES = 1000
 MAX_KEEP_IMAGES = 100
 MAX_PARAM_VALUE = 4096  # characters: one sysfs page, what the kernel shows of a parameter
+# A KVC conf value after $NAME expansion, and all expansions of one conf together: a few
+# lines of A="$A$A" would otherwise double a value into gigabytes (kvcd/config/kvcconf.py).
+MAX_KVC_VALUE = 1 << 16  # characters
+MAX_KVC_EXPANDED = MAX_CONFIG_BYTES  # characters
 
 
 def valid_param_value(value: object, label: str) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.daemon.events import Context, Extension
+from kvcd.host import files
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ def start(exts: list[Extension], ctx: Context) -> list[Extension]:
     for ext in exts:
         try:
             ext.start(ctx)
+        except files.FileError as exc:  # expected: kvcd's own file is a FIFO, a symlink, garbage
+            log.error("extension %s did not start: %s", ext.name, exc, extra=ctx.fields)
+            continue
         except Exception:
             log.exception("extension %s did not start", ext.name, extra=ctx.fields)
             continue

@@ -15,6 +15,7 @@ symvers, a file that is not a usable module, a module without modversions).
 from __future__ import annotations
 
 import json
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcd.core import kabi
-from kvcd.host import elf, symvers
+from kvcd.host import elf, files, symvers
 from kvcd.host.paths import HostRoot
 
 EXIT_COMPATIBLE, EXIT_INCOMPATIBLE, EXIT_BAD_INPUT = 0, 1, 2
@@ -130,13 +131,25 @@ def instance_modules(root: HostRoot, instance: str) -> tuple[str, str, list[Path
     from kvcd.daemon.store import newest_manifests
 
     for tree, manifest in newest_manifests(root, instance):
-        files = manifest.files(tree)
-        if files:
-            return manifest.version, tree.name, files
+        found = manifest.files(tree)
+        if found:
+            return manifest.version, tree.name, found
     raise TargetNotFound(
         f"instance {instance} has no extracted modules in {root.store(instance)} "
         f"(kvcd build {instance} first)"
     )
+
+
+def _module_file(path: Path) -> None:
+    """TargetNotFound unless `path` is a regular file (or a symlink to one: the user's path)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise TargetNotFound(f"{path}: no such module file") from None
+    except OSError as exc:
+        raise TargetNotFound(files.os_error(exc)) from None
+    if not stat.S_ISREG(mode):
+        raise TargetNotFound(f"{path}: {files.describe(mode)}, not a module file")
 
 
 def kabi_command(root: HostRoot, target: str, kernel: str, as_json: bool) -> int:
@@ -145,8 +158,7 @@ def kabi_command(root: HostRoot, target: str, kernel: str, as_json: bool) -> int
     try:
         if is_module_path(target):
             path = Path(target)
-            if not path.is_file():
-                raise TargetNotFound(f"{target}: no such module file")
+            _module_file(path)
             paths = [path]
         else:
             version, built_for, paths = instance_modules(root, target)

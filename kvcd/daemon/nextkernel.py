@@ -31,7 +31,7 @@ from kvcd.daemon import imagelabels, metrics, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, writing
-from kvcd.host import bootloader, journal, rpmostree
+from kvcd.host import bootloader, files, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.inhibit import InhibitError, Inhibitor
 from kvcd.host.paths import HostRoot
@@ -334,10 +334,13 @@ class NextKernel(Extension):
     def collect(self, ctx: Context) -> None:
         """Drop the store trees the kernel updates left behind (kvcd/daemon/storegc.py)."""
         keep = self.outcome.kernel if self.outcome is not None else None
+        fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name}
         try:
             storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None, self._release(ctx))
+        except files.FileError as exc:  # expected: a symlink or FIFO where kvcd keeps its files
+            log.error("store clean-up failed: %s", exc, extra=fields)
         except Exception:  # clean-up must never take the daemon down
-            log.exception("store clean-up failed", extra={**ctx.fields, "KVCD_INSTANCE": ctx.name})
+            log.exception("store clean-up failed", extra=fields)
 
     def _release(self, ctx: Context) -> Callable[[set[str]], list[str]]:
         """What gives back the images of the trees the clean-up removes (imagelabels.release);

@@ -91,6 +91,12 @@ def collect(
         images: set[str] = set()
         for tree in stale:
             path = base / tree.version / tree.kernel
+            try:  # store.trees follows symlinks; the clean-up never reads or removes through one
+                for directory in (base, path.parent, path):
+                    files.check_dir(directory)
+            except files.Refused as exc:
+                log.warning("store clean-up: left %s", exc, extra=fields)
+                continue
             with suppress(OSError, ValueError):  # a damaged manifest: its tree goes all the same
                 manifest = store.read_manifest(path)
                 images |= {manifest.image} if manifest is not None and manifest.image else set()

@@ -394,7 +394,34 @@ def locked(path: Path) -> Iterator[None]:
                 raise
     try:
         _must_be_regular(fd, path)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # never wait in silence: say who holds it (kvcd unload …)
+            log.info("%s: held by %s; waiting for it", path, _holder(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the flock on `fd`'s file, from /proc/locks ("pid 12 (kvcd run e2e)"), as far
+    as this process can tell (a holder in another pid namespace is not named)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as text:
+            lines = text.read().splitlines()
+    except OSError:
+        lines = []
+    # "1: FLOCK  ADVISORY  WRITE 1234 00:2d:5678 0 EOF"; a waiter's line has "->" after "1:"
+    pids = [f[4] for f in map(str.split, lines) if len(f) > 5 and f[1] == "FLOCK" and f[5] == key]
+    if not pids or not pids[0].isdigit() or pids[0] == "0":
+        return "another process"
+    try:
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as raw:
+            command = raw.read(4096).replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = ""
+    command = command if len(command) <= 80 else command[:77] + "..."
+    return f"pid {pids[0]} ({command})" if command else f"pid {pids[0]}"

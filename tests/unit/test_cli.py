@@ -296,3 +296,19 @@ def test_usage_without_a_verb_lists_every_verb(capsys: pytest.CaptureFixture[str
     assert "invalid choice: 'stauts'" in err
     for verb in cli._VERBS:
         assert f"'{verb}'" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "inf", "-inf", "1e400", "soon"])
+def test_reload_timeout_must_be_positive_and_finite(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage error before anything is signalled (it used to wait 'within nans')."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reload", "e2e", f"--timeout={value}"])
+    assert exc.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"kvcd: error: argument --timeout: {value!r} is not a positive number of seconds"
+
+
+def test_reload_timeout_takes_fractions() -> None:
+    assert cli._parser().parse_args(["reload", "e2e", "--timeout", "0.5"]).timeout == 0.5

@@ -5,8 +5,12 @@ of the write fails."""
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -141,6 +145,47 @@ def test_a_lock_file_is_created_once_and_reused(root: HostRoot) -> None:
     ino = lock.stat().st_ino
     with files.locked(lock):
         assert lock.stat().st_ino == ino
+
+
+def test_a_held_lock_says_who_holds_it_then_waits(
+    root: HostRoot, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kvcd unload` behind another kvcd holding the instance lock: one line naming the lock
+    and its holder (from /proc/locks), then the wait, and the lock once it is released."""
+    lock = root.runtime / "e2e.lock"
+    with files.locked(lock):
+        pass
+    holder = os.open(lock, os.O_RDWR)  # another open file description: flock conflicts
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    got = threading.Event()
+
+    def take() -> None:
+        with files.locked(lock):
+            got.set()
+
+    caplog.set_level(logging.INFO, logger="kvcd.host.files")
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not got.is_set()
+        (said,) = [r.getMessage() for r in caplog.records]
+        command = Path(f"/proc/{os.getpid()}/cmdline").read_bytes().split(b"\0")[0].decode()
+        assert said.startswith(f"{lock}: held by pid {os.getpid()} ({command}"), said
+        assert said.endswith("; waiting for it")
+    finally:
+        os.close(holder)
+    assert got.wait(10)
+    waiter.join(10)
+
+
+def test_a_free_lock_says_nothing(root: HostRoot, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with files.locked(root.runtime / "e2e.lock"):
+        pass
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize(

@@ -314,6 +314,8 @@ def test_single_path_without_its_sibling_misses_the_symbol(
     [
         ("store", "nosuch", K, "instance nosuch has no extracted modules in"),
         ("store", "/nonexistent/x.ko", K, "/nonexistent/x.ko: no such module file"),
+        ("store", "/dev/null", K, "/dev/null: is a character device, not a module file"),
+        ("store", "/", K, "/: is a directory, not a module file"),
         ("store", "drv", "6.1.0-99-amd64", "kernel 6.1.0-99-amd64 is not installed"),
         ("nosymvers", "drv", K, f"no symvers for kernel {K}: looked in"),
         ("arm", "drv", K, "built for aarch64, but the kernel is x86_64"),

@@ -223,6 +223,30 @@ BAD_KVC = [
         "parameter expansion '${X:-/tmp}' is not supported: only ${NAME}",
     ),
     ("length-expansion", doc(*HEAD, "A=${#HEAD}"), 4, "parameter expansion '${#HEAD}'"),
+    (
+        "expansion-bomb",  # 28 doublings would be 4 GiB: refused once a value passes the bound
+        doc(*HEAD, "A=xxxxxxxxxxxxxxxx", *['A="$A$A"'] * 16),
+        4 + 13,
+        "expanding '$A' makes the value of 'A' longer than 65536 characters",
+    ),
+    (
+        "expansion-bomb-one-line",
+        doc(*HEAD, "A=" + "x" * 60000, "B=" + "$A" * 20),
+        5,
+        "expanding '$A' makes the value of 'B' longer than 65536 characters",
+    ),
+    (
+        "expansion-copies",  # each value under the bound, all of them together over it
+        doc(*HEAD, "A=" + "x" * 60000, *[f'B{i}="$A"' for i in range(30)]),
+        4 + 18,
+        "expanding '$A' makes the expanded values of this file longer than 1048576 characters",
+    ),
+    (
+        "long-literal-value",
+        doc(*HEAD, "A='" + "x" * 65537 + "'"),
+        4,
+        "the value of 'A' is 65537 characters long; a KVC conf value may have at most 65536",
+    ),
     ("positional", doc(*HEAD, "A=$1"), 4, "special parameter '$1' is not allowed"),
     ("ansi-c-quote", doc(*HEAD, "A=$'\\x41'"), 4, "'$'...' quoting is not allowed"),
     ("append", doc(*HEAD, "A+=x"), 4, "'A+=' (appending) is not supported"),

@@ -22,7 +22,7 @@ from kvcd.daemon import ahead, driftstore, nextkernel, status, store, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Verdict
 from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
 from kvcd.daemon.record import Record
-from kvcd.host import journal, kmod, modfiles, modtree
+from kvcd.host import files, journal, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 from tests import fakehost
@@ -586,6 +586,58 @@ def test_clean_up_keeps_the_next_kernel_even_before_it_is_installed(host: HostRo
     tree = prepared_weak(host, C)
     assert storegc.collect(host, config(host), A, C) == []
     assert tree.is_dir()
+
+
+@pytest.mark.parametrize("linked", ["tree", "version"])
+def test_clean_up_leaves_a_symlink_in_the_store_and_names_it(
+    host: HostRoot, tmp_path: Path, caplog: pytest.LogCaptureFixture, linked: str
+) -> None:
+    """A symlink where a stale tree (or its version directory) should be is refused like every
+    symlink in kvcd's own directories: named in one line, left in place, nothing it points to
+    read or removed; the other stale trees go all the same."""
+    outside = tmp_path / "outside"
+    (outside / C).mkdir(parents=True)
+    (outside / C / "keep.ko").write_bytes(b"x")
+    gone = fakehost.store_version(host, NAME, "1.0", C, ["kvcd_base"])
+    link = store.tree(host, NAME, "0.8", C)
+    if linked == "tree":
+        link.parent.mkdir(parents=True)
+        link.symlink_to(outside / C)
+    else:
+        link = link.parent
+        link.symlink_to(outside)
+    with caplog.at_level(logging.INFO):
+        removed = storegc.collect(host, config(host), A, None)
+    assert removed == [f"{gone} (kernel {C} not installed)"]
+    assert link.is_symlink() and (outside / C / "keep.ko").is_file()
+    left = [r for r in caplog.records if "left" in r.getMessage()]
+    assert [r.getMessage() for r in left] == [f"store clean-up: left {link}: is a symlink"]
+    assert left[0].exc_info is None
+
+
+def test_a_refused_file_in_the_clean_up_is_one_line(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An expected refusal (a symlink or FIFO where kvcd keeps its files) is logged as one line
+    naming the path; a bug keeps its traceback."""
+    ext = NextKernel(Settings(), detector=lambda _r: NONE_BOOT)
+    ctx, _ = context(host, config(host))
+    fifo = host.instance_lock(NAME)
+    for raised, exc_info in (
+        (files.Refused(fifo, "is a FIFO"), False),
+        (RuntimeError("a bug"), True),
+    ):
+
+        def collect(*_a: Any, raised: Exception = raised) -> list[str]:
+            raise raised
+
+        monkeypatch.setattr(storegc, "collect", collect)
+        caplog.clear()
+        ext.collect(ctx)
+        (rec,) = [r for r in caplog.records if "store clean-up failed" in r.getMessage()]
+        assert (rec.exc_info is not None) is exc_info
+        if not exc_info:
+            assert rec.getMessage() == f"store clean-up failed: {fifo}: is a FIFO"
 
 
 def test_clean_up_removes_nothing_when_rpm_ostree_cannot_tell(

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from kvcd.daemon import extensions
 from kvcd.daemon.events import HOLD, LOAD, SKIP, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
-from kvcd.host import heap, journal
+from kvcd.host import files, heap, journal
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 
@@ -840,3 +841,42 @@ def test_events_during_a_backoff_neither_retry_early_nor_lose_the_timer(
     said = [s for s in n.sent if s.startswith("STATUS=HostError:")]
     assert said and f"{host.state_file('e2e')}: No space left on device" in said[0], n.sent
     svc.stop_extensions()
+
+
+class FailingStart(Extension):
+    name = "drift"
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def start(self, ctx: Context) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "message", "traceback"),
+    [
+        (
+            files.Refused(Path("/var/lib/kvcd/drift/foo.json"), "is a FIFO"),
+            "extension drift did not start: /var/lib/kvcd/drift/foo.json: is a FIFO",
+            False,
+        ),
+        (
+            files.Damaged(Path("/var/lib/kvcd/drift/foo.json"), "not JSON"),
+            "extension drift did not start: /var/lib/kvcd/drift/foo.json: not JSON",
+            False,
+        ),
+        (KeyError("bug"), "extension drift did not start", True),  # a bug keeps its traceback
+    ],
+)
+def test_an_extension_that_does_not_start_is_left_out(
+    exc: Exception, message: str, traceback: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An expected refusal (kvcd's own file is a FIFO, a symlink, garbage) is one line naming
+    the path; the other extensions start all the same."""
+    ctx: Any = types.SimpleNamespace(fields={"KVCD_INSTANCE": "foo"})
+    other = Extension()
+    assert extensions.start([FailingStart(exc), other], ctx) == [other]
+    (rec,) = [r for r in caplog.records if "did not start" in r.getMessage()]
+    assert rec.getMessage() == message
+    assert (rec.exc_info is not None) is traceback
