@@ -22,6 +22,8 @@ from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
 
+# A record is a few kilobytes (its reason is capped, MAX_REASON): a bigger file is damaged.
+MAX_BYTES = 4 << 20
 # The states a record holds (`kvcd status` says Unknown for an instance without a usable one).
 STATES = (state.DONE, state.WORKING, state.DEGRADED)
 
@@ -161,7 +163,7 @@ class Record:
         if kept is not None:
             return kept[0]
         path = root.state_file(name)
-        raw = files.read_bytes(path)
+        raw = files.read_bytes(path, MAX_BYTES)
         return None if raw is None else cls.parse(path, raw, name)
 
     @classmethod

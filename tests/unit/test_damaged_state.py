@@ -39,6 +39,11 @@ def root(tmp_path: Path) -> HostRoot:
     return r
 
 
+def _sparse_3gib(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+
+
 def _status(root: HostRoot, *args: str) -> int:
     return main(["--root", str(root.root), "status", *args])
 
@@ -74,6 +79,7 @@ def _status(root: HostRoot, *args: str) -> int:
             lambda p: p.write_text('{"instance": "bad", "state": "Bogus\\u001b[31mRED"}'),
             "has the unknown state 'Bogus\\x1b[31mRED'",
         ),
+        (_sparse_3gib, "is larger than 4 MiB, more than kvcd writes there"),
     ],
     ids=[
         "truncated",
@@ -89,6 +95,7 @@ def _status(root: HostRoot, *args: str) -> int:
         "other-instance",
         "bad-module",
         "bad-state",
+        "sparse-3GiB",
     ],
 )
 def test_status_shows_an_unreadable_record_as_one_line_and_the_others(
@@ -244,7 +251,7 @@ def test_pid_file_reader(raw: bytes) -> None:
     [
         lambda r, p: Record.load(r, "x"),
         lambda r, p: driftstore.parse_baseline(p, files.read_bytes(p) or b""),
-        lambda r, p: procs.read_pid_file(p),
+        lambda r, p: procs.parse_pid_file(p, p.read_bytes()),
     ],
     ids=["record", "drift", "pid"],
 )
