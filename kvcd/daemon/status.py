@@ -37,6 +37,10 @@ def _config(root: HostRoot, name: str) -> InstanceConfig | None:
         return None
 
 
+# What status says of an instance without a usable record (never started, or damaged); a
+# record itself holds Done, Working or Degraded (kvcd.daemon.record.STATES).
+UNKNOWN = "Unknown"
+
 # What stopping does under each `unload_policy` (kvcd.core.drain.STOP), as status says it.
 UNLOAD_POLICY_TEXT = {
     state.IF_IDLE: "unloads; refused while a module is in use",
@@ -196,11 +200,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         except OSError as exc:  # damaged, not a regular file, unreadable: say so, show the rest
             out.append(_unreadable(name, exc))
             continue
-        entry: dict[str, Any] = (
-            rec.to_json()
-            if rec
-            else {"instance": name, "state": "Unknown", "reason": "never started"}
-        )
+        entry: dict[str, Any] = rec.to_json() if rec else _unknown(name, "", "never started")
         live: dict[str, Any] = {}
         for mod in entry.get("modules") or []:
             lm = sysmodule.read_module(root, mod)
@@ -345,13 +345,14 @@ def _runtime_notes(
 def _unreadable(name: str, exc: OSError) -> dict[str, Any]:
     """The entry of an instance whose record cannot be read: one clear line, `kvcd status`
     exits 1. The daemon sets a damaged record aside and rebuilds it."""
-    text = files.os_error(exc)
-    return {
-        "instance": name,
-        "state": "Unknown",
-        "reason": state.reason_text(state.STATE_DAMAGED, text),
-        "unreadable": True,
-    }
+    return {**_unknown(name, state.STATE_DAMAGED, files.os_error(exc)), "unreadable": True}
+
+
+def _unknown(name: str, code: str, detail: str) -> dict[str, Any]:
+    """An instance without a usable record: state Unknown, with the code and the detail a
+    record has (scripts read `code`)."""
+    reason = state.reason_text(code, detail)
+    return {"instance": name, "state": UNKNOWN, "code": code, "detail": detail, "reason": reason}
 
 
 def _runtime_note(

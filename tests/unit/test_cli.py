@@ -158,6 +158,22 @@ def test_status_says_when_the_goal_was_to_unload(
     assert "warning" not in out
 
 
+def test_status_json_says_never_started_with_an_empty_code(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every entry carries `code` and `detail` (README: script against `code`); an instance
+    without a record yet is Unknown, no code (nothing failed), detail "never started"."""
+    fakehost.write_config(root, "e2e", GOOD)
+    assert run(root, "status", "--json") == 0
+    entry = json.loads(capsys.readouterr().out)["instances"][0]
+    assert {k: entry[k] for k in ("state", "code", "detail", "reason")} == {
+        "state": "Unknown",
+        "code": "",
+        "detail": "never started",
+        "reason": "never started",
+    }
+
+
 @pytest.mark.parametrize(
     ("fields", "shown"),
     [

@@ -116,6 +116,10 @@ def test_status_shows_an_unreadable_record_as_one_line_and_the_others(
     assert _status(root, "--json") == 1
     entries = {e["instance"]: e for e in json.loads(capsys.readouterr().out)["instances"]}
     assert entries["bad"]["reason"].startswith("StateDamaged: ") and entries["good"]["state"]
+    # Scripts read the code (README): the damaged record's is StateDamaged, like the daemon's.
+    bad = entries["bad"]
+    assert (bad["state"], bad["code"]) == ("Unknown", "StateDamaged")
+    assert bad["detail"].startswith(f"{path}: {what}")
 
 
 @pytest.mark.parametrize(
