@@ -14,12 +14,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcd.config.rules import MODULE_NAME, VERSION
 from kvcd.core import names, state
 from kvcd.core.attempts import OUTCOMES, Attempt
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
+
+# A record is a few kilobytes (its reason is capped, MAX_REASON): a bigger file is damaged.
+MAX_BYTES = 4 << 20
+# The states a record holds (`kvcd status` says Unknown for an instance without a usable one).
+STATES = (state.DONE, state.WORKING, state.DEGRADED)
 
 
 def recorded_names(root: HostRoot) -> list[str]:
@@ -94,9 +100,11 @@ class Record:
         return (self.state, self.code, self.detail) == (new_state, code, detail)
 
     @classmethod
-    def parse(cls, path: Path, raw: bytes) -> Record:
-        """The record in `raw`; files.Damaged when it is not one (garbage, truncated JSON, a
-        field of the wrong type). Unknown keys are ignored (a newer kvcd may add some)."""
+    def parse(cls, path: Path, raw: bytes, instance: str) -> Record:
+        """Instance `instance`'s record in `raw`; files.Damaged when it is not one (garbage,
+        truncated JSON, a field of the wrong type, another instance's record, a state or a name
+        kvcd does not write: see `_problem`). Unknown keys are ignored (a newer kvcd may add
+        some)."""
         data = files.parse_json(path, raw)
         if not isinstance(data, dict):
             raise files.Damaged(path, f"holds a JSON {type(data).__name__}, not an object")
@@ -118,7 +126,32 @@ class Record:
                 if name == "attempt"
                 else value
             )
-        return cls(**known)
+        record = cls(**known)
+        problem = record._problem(instance)
+        if problem is not None:
+            raise files.Damaged(path, problem)
+        return record
+
+    def _problem(self, instance: str) -> str | None:
+        """Why this is not a record kvcd wrote for `instance` (None: it is one). Each name
+        in it becomes a path or an argument (its own file, /sys/module/<module>, the store's
+        <version>/<kernel>): checked here, before anything reads or writes by them."""
+        if self.instance != instance:
+            return f"holds the record of {self.instance!r:.80}, not of {instance!r}"
+        if self.state not in STATES:
+            return f"has the unknown state {self.state!r:.40}"
+        bad = [m for m in self.modules if not MODULE_NAME.fullmatch(m)]
+        if bad:
+            return f"lists {bad[0]!r:.80}, which is not a module name"
+        for key, value, ok in (
+            ("kernel", self.kernel, names.kernel_problem(self.kernel) is None),
+            ("next_kernel", self.next_kernel, names.kernel_problem(self.next_kernel) is None),
+            ("version", self.version, VERSION.fullmatch(self.version) is not None),
+        ):
+            if value and not ok:
+                what = "a version" if key == "version" else "a kernel release"
+                return f"has {key!r} {value!r:.80}, which is not {what}"
+        return None
 
     @classmethod
     def load(cls, root: HostRoot, name: str) -> Record | None:
@@ -130,8 +163,8 @@ class Record:
         if kept is not None:
             return kept[0]
         path = root.state_file(name)
-        raw = files.read_bytes(path)
-        return None if raw is None else cls.parse(path, raw)
+        raw = files.read_bytes(path, MAX_BYTES)
+        return None if raw is None else cls.parse(path, raw, name)
 
     @classmethod
     def read(cls, root: HostRoot, name: str) -> Record | None:
@@ -190,7 +223,7 @@ def unsaved(root: HostRoot, name: str) -> tuple[Record, str] | None:
         if not isinstance(data, dict) or not isinstance(data.get("cause"), str):
             return None
         raw = json.dumps(data.get("record")).encode()
-        return Record.parse(path, raw), data["cause"]
+        return Record.parse(path, raw, name), data["cause"]
     except (OSError, ValueError):  # a damaged copy: the file in the state directory stands
         return None
 

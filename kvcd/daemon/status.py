@@ -6,6 +6,7 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,10 @@ def _config(root: HostRoot, name: str) -> InstanceConfig | None:
     except ConfigError:
         return None
 
+
+# What status says of an instance without a usable record (never started, or damaged); a
+# record itself holds Done, Working or Degraded (kvcd.daemon.record.STATES).
+UNKNOWN = "Unknown"
 
 # What stopping does under each `unload_policy` (kvcd.core.drain.STOP), as status says it.
 UNLOAD_POLICY_TEXT = {
@@ -195,11 +200,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         except OSError as exc:  # damaged, not a regular file, unreadable: say so, show the rest
             out.append(_unreadable(name, exc))
             continue
-        entry: dict[str, Any] = (
-            rec.to_json()
-            if rec
-            else {"instance": name, "state": "Unknown", "reason": "never started"}
-        )
+        entry: dict[str, Any] = rec.to_json() if rec else _unknown(name, "", "never started")
         live: dict[str, Any] = {}
         for mod in entry.get("modules") or []:
             lm = sysmodule.read_module(root, mod)
@@ -344,13 +345,14 @@ def _runtime_notes(
 def _unreadable(name: str, exc: OSError) -> dict[str, Any]:
     """The entry of an instance whose record cannot be read: one clear line, `kvcd status`
     exits 1. The daemon sets a damaged record aside and rebuilds it."""
-    text = files.os_error(exc)
-    return {
-        "instance": name,
-        "state": "Unknown",
-        "reason": state.reason_text(state.STATE_DAMAGED, text),
-        "unreadable": True,
-    }
+    return {**_unknown(name, state.STATE_DAMAGED, files.os_error(exc)), "unreadable": True}
+
+
+def _unknown(name: str, code: str, detail: str) -> dict[str, Any]:
+    """An instance without a usable record: state Unknown, with the code and the detail a
+    record has (scripts read `code`)."""
+    reason = state.reason_text(code, detail)
+    return {"instance": name, "state": UNKNOWN, "code": code, "detail": detail, "reason": reason}
 
 
 def _runtime_note(
@@ -445,4 +447,14 @@ def render(entries: list[dict[str, Any]]) -> str:
             lines.append(f"  node keys: {keys} (hashed: the name does not fit a key)")
         for w in e.get("warnings") or []:
             lines.append(f"  warning: {w}")
-    return "\n".join(lines)
+    return "\n".join(shown(line) for line in lines)
+
+
+# C0 and C1 control characters and DEL: in a record (or any file status reads) they would reach
+# the terminal as escape sequences or lines of their own.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """`text` safe for a terminal line: each control character escaped ("\\x1b", "\\n")."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)

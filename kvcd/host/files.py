@@ -211,15 +211,24 @@ def sha256_regular(path: str, buffer: bytearray) -> tuple[str, os.stat_result, o
         os.close(fd)
 
 
-def read_bytes(path: Path) -> bytes | None:
+# More than kvcd writes into any file of its own (records, notes, drift records, node.json):
+# a bigger one (a sparse file of gigabytes) is damaged, not read into memory.
+MAX_READ = 16 << 20
+
+
+def read_bytes(path: Path, limit: int = MAX_READ) -> bytes | None:
     """The content of a regular file of kvcd's own, None when it does not exist (see
-    open_regular)."""
+    open_regular); Damaged when it holds more than `limit` bytes (not read past them)."""
     try:
         handle = open_regular(path)
     except FileNotFoundError:
         return None
     with handle:
-        return handle.read()
+        raw = handle.read(limit + 1)
+    if len(raw) > limit:
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
+        raise Damaged(path, f"is larger than {size}, more than kvcd writes there")
+    return raw
 
 
 def read_text(path: Path) -> str | None:

@@ -196,6 +196,8 @@ def parse_pid_file(path: Path, raw: bytes) -> PidRecord:
     pid: object
     start: object = None
     if text.isdigit() and text.isascii():
+        if len(text) > 20:  # no pid, and more digits than int() may take
+            raise files.Damaged(path, f"holds no pid (a number of {len(text)} digits)")
         pid = int(text)
     else:
         data = files.parse_json(path, raw)
@@ -213,8 +215,12 @@ def parse_pid_file(path: Path, raw: bytes) -> PidRecord:
     return PidRecord(pid, start)
 
 
+# A pid file is one short line ({"pid": N, "start": T}): a bigger one holds no pid.
+PID_FILE_MAX = 256
+
+
 def read_pid_file(path: Path) -> PidRecord | None:
-    raw = files.read_bytes(path)
+    raw = files.read_bytes(path, PID_FILE_MAX)
     return None if raw is None else parse_pid_file(path, raw)
 
 

@@ -158,6 +158,55 @@ def test_status_says_when_the_goal_was_to_unload(
     assert "warning" not in out
 
 
+def test_status_json_says_never_started_with_an_empty_code(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every entry carries `code` and `detail` (README: script against `code`); an instance
+    without a record yet is Unknown, no code (nothing failed), detail "never started"."""
+    fakehost.write_config(root, "e2e", GOOD)
+    assert run(root, "status", "--json") == 0
+    entry = json.loads(capsys.readouterr().out)["instances"][0]
+    assert {k: entry[k] for k in ("state", "code", "detail", "reason")} == {
+        "state": "Unknown",
+        "code": "",
+        "detail": "never started",
+        "reason": "never started",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "shown"),
+    [
+        (
+            {"state": "Degraded", "code": "LoadFailed", "detail": "\x1b]0;pwn\x07x\ny"},
+            "  reason: LoadFailed: \\x1b]0;pwn\\x07x\\ny\n",
+        ),
+        ({"detail": "a\rb\tc\x7fd\x9be"}, "  reason: a\\rb\\tc\\x7fd\\x9be\n"),
+        (
+            {"next_kernel": "6.2.0", "next_kernel_state": "failed\x1b[2J"},
+            "  next kernel 6.2.0: failed\\x1b[2J\n",
+        ),
+        (
+            {"next_kernel": "6.2.0", "next_kernel_reason": "x\n  warning: fake"},
+            "(x\\n  warning: fake)\n",
+        ),
+        ({"goal": "\x1b[8mhidden"}, "e2e: Done (\\x1b[8mhidden)"),
+    ],
+    ids=["osc-and-newline", "cr-tab-del-c1", "next-kernel-state", "next-kernel-reason", "goal"],
+)
+def test_status_escapes_control_characters_from_the_record(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], fields: dict[str, str], shown: str
+) -> None:
+    """A record's text reaches a terminal: no escape sequence, no line of its own making."""
+    fakehost.write_config(root, "e2e", GOOD)
+    write_record(root, **fields)
+    run(root, "status")
+    out = capsys.readouterr().out
+    assert shown in out
+    assert not [c for c in out if c != "\n" and (ord(c) < 32 or 127 <= ord(c) < 160)]
+    assert "\nwarning" not in out and "\n  warning: fake" not in out
+
+
 @pytest.mark.parametrize(("verb", "how"), [("load", "reload"), ("unload", "stop")])
 def test_load_and_unload_refuse_while_the_daemon_runs(
     root: HostRoot,

@@ -53,6 +53,10 @@ REFUSED: list[Any] = [
     pytest.param(b"-1\n", _info(), "{pidfile}: holds -1, which is not", id="negative"),
     pytest.param(b'{"pid": -5}', _info(), "{pidfile}: holds -5, which is not", id="neg-json"),
     pytest.param(b"99999999\n", _info(), "{pidfile}: holds 99999999, which is not", id="huge"),
+    pytest.param(b"1" * 200, _info(), "{pidfile}: holds no pid (a number of 200", id="long"),
+    pytest.param(
+        b"1" * 10_000_000, _info(), "{pidfile}: is larger than 256 bytes", id="10MB-of-digits"
+    ),
     pytest.param(b"", _info(), "{pidfile}: is not valid JSON", id="empty"),
     pytest.param(b'{"pid": 42', _info(), "{pidfile}: is not valid JSON", id="truncated"),
     pytest.param(b'{"pid": true}', _info(), "{pidfile}: holds no pid", id="bool"),

@@ -39,6 +39,11 @@ def root(tmp_path: Path) -> HostRoot:
     return r
 
 
+def _sparse_3gib(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.truncate(3 << 30)
+
+
 def _status(root: HostRoot, *args: str) -> int:
     return main(["--root", str(root.root), "status", *args])
 
@@ -58,6 +63,23 @@ def _status(root: HostRoot, *args: str) -> int:
         (os.mkfifo, "is a FIFO"),
         (lambda p: os.symlink("/etc/hostname", p), "is a symlink"),
         (lambda p: p.mkdir(), "is a directory"),
+        (
+            lambda p: p.write_text('{"instance": "../../../../tmp/x/pwn", "state": "Done"}'),
+            "holds the record of '../../../../tmp/x/pwn', not of 'bad'",
+        ),
+        (
+            lambda p: p.write_text('{"instance": "good", "state": "Done"}'),
+            "holds the record of 'good', not of 'bad'",
+        ),
+        (
+            lambda p: p.write_text('{"instance": "bad", "state": "Done", "modules": ["a b"]}'),
+            "lists 'a b', which is not a module name",
+        ),
+        (
+            lambda p: p.write_text('{"instance": "bad", "state": "Bogus\\u001b[31mRED"}'),
+            "has the unknown state 'Bogus\\x1b[31mRED'",
+        ),
+        (_sparse_3gib, "is larger than 4 MiB, more than kvcd writes there"),
     ],
     ids=[
         "truncated",
@@ -69,6 +91,11 @@ def _status(root: HostRoot, *args: str) -> int:
         "fifo",
         "symlink",
         "dir",
+        "other-instance-traversal",
+        "other-instance",
+        "bad-module",
+        "bad-state",
+        "sparse-3GiB",
     ],
 )
 def test_status_shows_an_unreadable_record_as_one_line_and_the_others(
@@ -89,6 +116,36 @@ def test_status_shows_an_unreadable_record_as_one_line_and_the_others(
     assert _status(root, "--json") == 1
     entries = {e["instance"]: e for e in json.loads(capsys.readouterr().out)["instances"]}
     assert entries["bad"]["reason"].startswith("StateDamaged: ") and entries["good"]["state"]
+    # Scripts read the code (README): the damaged record's is StateDamaged, like the daemon's.
+    bad = entries["bad"]
+    assert (bad["state"], bad["code"]) == ("Unknown", "StateDamaged")
+    assert bad["detail"].startswith(f"{path}: {what}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "rc"),
+    [
+        (["status"], 1),
+        (["metrics"], 1),
+        (["check-config", "--all"], 0),
+    ],
+)
+@pytest.mark.parametrize("module", ["bad name", "../../../etc", "-r"])
+def test_a_record_with_a_bad_module_name_is_damaged_and_the_others_go_on(
+    root: HostRoot,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    rc: int,
+    module: str,
+) -> None:
+    """Not an internal error (exit 70): the record is damaged, said once, the others shown."""
+    path = root.state_file("bad")
+    path.write_text(json.dumps({"instance": "bad", "state": "Done", "modules": [module]}))
+    assert main(["--root", str(root.root), *argv]) == rc
+    out, err = capsys.readouterr()
+    assert "internal error" not in out + err and "good" in out
+    if argv == ["status"]:
+        assert f"{path}: lists {module!r}, which is not a module name" in out
 
 
 @pytest.mark.parametrize("note", ["links.json", "drift.json"])
@@ -130,6 +187,7 @@ record_like = st.fixed_dictionaries(
     optional={
         name: json_values
         | st.just("Done")
+        | st.just("x")
         | st.integers()
         | st.lists(st.text(max_size=4), max_size=3)
         for name in Record.__dataclass_fields__
@@ -153,7 +211,7 @@ def _valid_or_own_error(parse: Callable[[Path, bytes], Any], raw: bytes) -> Any:
 @ANY
 @given(raw_inputs)
 def test_instance_record_reader(raw: bytes) -> None:
-    rec = _valid_or_own_error(Record.parse, raw)
+    rec = _valid_or_own_error(lambda path, raw: Record.parse(path, raw, "x"), raw)
     if rec is not None:
         assert isinstance(rec.instance, str) and isinstance(rec.state, str)
         assert isinstance(rec.generation, int) and isinstance(rec.modules, list)
@@ -197,7 +255,7 @@ def test_pid_file_reader(raw: bytes) -> None:
     [
         lambda r, p: Record.load(r, "x"),
         lambda r, p: driftstore.parse_baseline(p, files.read_bytes(p) or b""),
-        lambda r, p: procs.read_pid_file(p),
+        lambda r, p: procs.parse_pid_file(p, p.read_bytes()),
     ],
     ids=["record", "drift", "pid"],
 )

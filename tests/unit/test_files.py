@@ -210,6 +210,33 @@ def test_a_damaged_json_file_is_damaged_naming_the_path(
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("size", "limit", "message"),
+    [
+        (0, 4, None),
+        (4, 4, None),
+        (5, 4, "is larger than 4 bytes, more than kvcd writes there"),
+        (3 << 30, None, "is larger than 16 MiB, more than kvcd writes there"),
+    ],
+    ids=["empty", "at-the-limit", "one-over", "sparse-3GiB"],
+)
+def test_an_own_file_is_read_up_to_a_limit(
+    root: HostRoot, size: int, limit: int | None, message: str | None
+) -> None:
+    """A huge (here sparse) file in kvcd's directory costs no more memory than the limit."""
+    path = root.state_file("e2e")
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    read = files.read_bytes if limit is None else lambda p: files.read_bytes(p, limit)
+    if message is None:
+        assert read(path) == b"\0" * size
+    else:
+        with pytest.raises(files.Damaged) as info:
+            read(path)
+        assert str(info.value) == f"{path}: {message}"
+
+
 def test_set_aside_keeps_the_damaged_file_beside_it(root: HostRoot) -> None:
     path = root.state_file("e2e")
     path.parent.mkdir(parents=True)

@@ -187,6 +187,47 @@ def test_first_load_builds_extracts_activates_and_loads_in_order(
 
 
 @pytest.mark.parametrize(
+    "other",
+    [
+        {"instance": "other", "state": "Done", "modules": ["bad name"]},
+        {"instance": "other", "state": "Done", "modules": ["../../../etc"]},
+        {"instance": "e2e", "state": "Working", "modules": ["kvcd_base"]},
+    ],
+    ids=["bad-module", "traversal-module", "claims-to-be-e2e"],
+)
+def test_a_damaged_record_of_another_instance_holds_nothing_and_this_one_loads(
+    host: HostRoot, other: dict[str, Any]
+) -> None:
+    """The owners check reads every instance's record: a damaged one holds no module (its own
+    daemon sets it aside), and is no internal error here."""
+    path = host.state_file("other")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(other))
+    rec = instance(host, FakePodman(host, K)).apply("load")
+    assert rec.state == state.DONE and (host.sys_module / "kvcd_base").is_dir()
+    assert json.loads(path.read_text()) == other  # not this instance's to repair
+
+
+@pytest.mark.parametrize("verb", ["load", "unload"])
+@pytest.mark.parametrize("foreign", ["../../../../../pwn", "other"])
+def test_a_record_naming_another_instance_is_rebuilt_under_its_own_name(
+    host: HostRoot, tmp_path: Path, verb: str, foreign: str
+) -> None:
+    """e2e.json naming another instance: set aside (StateDamaged) and written as e2e's again;
+    the other instance's record, and every path outside kvcd's directory, untouched."""
+    path = host.state_file("e2e")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"instance": foreign, "state": "Done", "goal": "unloaded"}))
+    other = host.state_file("other")
+    other.write_text('{"instance": "other", "state": "Done"}')
+    rec = instance(host, FakePodman(host, K)).apply(verb)
+    assert rec.instance == "e2e" and json.loads(path.read_text())["instance"] == "e2e"
+    assert other.read_text() == '{"instance": "other", "state": "Done"}'
+    assert list(path.parent.glob("e2e.json.damaged-*"))
+    assert not list(tmp_path.rglob("pwn*"))
+
+
+@pytest.mark.parametrize(
     ("resolved", "loads"),
     [
         pytest.param("extra/e2e/kvcd_base.ko", True, id="own-file"),

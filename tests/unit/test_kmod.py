@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import kmod, kmsg, modfiles, modtree, sysmodule
+from kvcd.host import files, kmod, kmsg, modfiles, modtree, sysmodule
 from kvcd.host.paths import HostRoot
 from tests.conftest import FakeCommands
 
@@ -119,6 +119,17 @@ def test_prepare_kernel_tree_mirrors_the_system(root: HostRoot) -> None:
     modtree.prepare_kernel_tree(root, K)
     assert not os.path.lexists(tree / "updates")
     assert sorted(p.name for p in tree.iterdir()) == ["extra", "kernel", "modules.builtin"]
+
+
+def test_a_copied_index_input_of_any_size_is_replaced(root: HostRoot) -> None:
+    """The copy in the module root is compared with the system's by reading no more than the
+    system's: a bigger one (here sparse, over files.MAX_READ) is not the same, and replaced."""
+    system = make_system(root)
+    tree = modtree.prepare_kernel_tree(root, K)
+    with open(tree / "modules.builtin", "r+b") as f:
+        f.truncate(files.MAX_READ + 1)
+    modtree.prepare_kernel_tree(root, K)
+    assert (tree / "modules.builtin").read_bytes() == (system / "modules.builtin").read_bytes()
 
 
 def test_prepare_kernel_tree_without_the_system_modules(root: HostRoot) -> None:

@@ -124,6 +124,19 @@ def test_purge_removes_everything_of_one_instance_and_nothing_else(host: HostRoo
     assert host("/etc/kvcd/instances/e2e.toml").exists()  # the admin's config stays
 
 
+@pytest.mark.parametrize("module", ["bad name", "../../../etc"])
+def test_a_record_with_a_bad_module_name_is_purged(
+    host: HostRoot, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, module: str
+) -> None:
+    path = host.state_file("e2e")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"instance": "e2e", "state": "Done", "modules": [module]}))
+    monkeypatch.setattr(pg, "purge", _with_podman(pg.purge, Pod(host, K)))
+    assert cli.main(["--root", str(host.root), "purge", "e2e"]) == 0
+    assert "purged e2e" in capsys.readouterr().out
+    assert everything(host, "e2e") == []
+
+
 def test_the_last_drain_claim_withdrawn_sets_the_node_idle(host: HostRoot) -> None:
     pod = Pod(host, K)
     load(host, pod, "e2e")

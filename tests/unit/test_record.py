@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvcd.core import state
-from kvcd.daemon.record import Record
+from kvcd.daemon.record import Record, writing
+from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,3 +74,69 @@ def test_nothing_in_kvcd_reads_a_code_back_out_of_reason_text() -> None:
         if pattern.search(line)
     ]
     assert found == []
+
+
+# A record is the record of the instance it is named for, and every name in it is one kvcd
+# would have written: anything else is damaged (files.Damaged), like a record that does not
+# parse. (Each name becomes a path or an argument: /var/lib/kvcd/instances/<instance>.json,
+# /sys/module/<module>, the store's <version>/<kernel>.)
+@pytest.mark.parametrize(
+    ("fields", "what"),
+    [
+        ({"instance": "../../../../tmp/x/pwn"}, "holds the record of '../../../../tmp/x/pwn'"),
+        ({"instance": "other"}, "holds the record of 'other', not of 'nic'"),
+        ({"state": "Bogus\x1b[31mRED"}, "has the unknown state 'Bogus\\x1b[31mRED'"),
+        ({"state": "Unknown"}, "has the unknown state 'Unknown'"),
+        ({"modules": ["kvcd_base", "bad name"]}, "lists 'bad name', which is not a module name"),
+        ({"modules": ["../../../etc"]}, "lists '../../../etc', which is not a module name"),
+        ({"modules": ["-r"]}, "lists '-r', which is not a module name"),
+        ({"modules": ["x" * 56]}, "which is not a module name"),
+        ({"kernel": "../6.1"}, "has 'kernel' '../6.1', which is not a kernel release"),
+        ({"next_kernel": "6.2 x"}, "has 'next_kernel' '6.2 x', which is not a kernel release"),
+        ({"version": "../1.0"}, "has 'version' '../1.0', which is not a version"),
+    ],
+    ids=[
+        "traversal-instance",
+        "other-instance",
+        "escape-state",
+        "unknown-state",
+        "module-space",
+        "module-traversal",
+        "module-option",
+        "module-too-long",
+        "kernel",
+        "next-kernel",
+        "version",
+    ],
+)
+def test_a_record_that_kvcd_would_not_have_written_is_damaged(
+    tmp_path: Path, fields: dict[str, object], what: str
+) -> None:
+    root = HostRoot(tmp_path)
+    path = root.state_file("nic")
+    path.parent.mkdir(parents=True)
+    good = {"instance": "nic", "state": "Done", "modules": ["kvcd_base"], "kernel": "6.1.0"}
+    path.write_text(json.dumps({**good, **fields}))
+    with pytest.raises(files.Damaged) as exc:
+        Record.load(root, "nic")
+    assert exc.value.path == path and what in exc.value.what and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("foreign", ["../../../../../pwn", "other"])
+def test_a_write_goes_to_the_instance_kvcd_was_asked_for(tmp_path: Path, foreign: str) -> None:
+    """A record naming another instance is set aside and rebuilt under its own name: kvcd never
+    writes the other instance's record, nor a file outside its directory."""
+    root = HostRoot(tmp_path / "root")
+    Record("other", state.DONE, version="9.9").write(root)
+    other = root.state_file("other").read_bytes()
+    path = root.state_file("nic")
+    path.write_text(json.dumps({"instance": foreign, "state": "Done"}))
+
+    with writing(root, "nic") as w:
+        rec = w.update(lambda r: True)
+
+    assert rec is not None and rec.instance == "nic" and rec.code == state.STATE_DAMAGED
+    assert json.loads(path.read_text())["instance"] == "nic"
+    assert root.state_file("other").read_bytes() == other
+    assert [p.name for p in path.parent.glob("nic.json.damaged-*")]
+    assert sorted(p.name for p in tmp_path.rglob("*.json")) == ["nic.json", "other.json"]
