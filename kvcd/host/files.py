@@ -9,7 +9,8 @@ attacker can leave a symlink or a FIFO where kvcd expects its state:
 - writes create a temporary file with O_EXCL | O_NOFOLLOW in the same directory, write, fsync,
   rename, fsync the directory: readers see the old or the new file whole, never a torn one;
 - the directories written into are checked first (lstat: a real directory, not a symlink, owned
-  by root or by the running uid), from kvcd's own base directory down.
+  by root or by the running uid), from kvcd's own base directory down; those read from are
+  checked the same way for being real directories.
 
 A refusal is `Refused`, a file that does not parse is `Damaged`: both are `FileError`, an OSError
 whose message is one line naming the path and what is wrong with it.
@@ -158,9 +159,24 @@ def _must_be_regular(fd: int, path: Path) -> None:
         raise Refused(path, describe(mode))
 
 
+def _check_own_parents(path: Path) -> None:
+    """Refused when a directory from kvcd's own base directory down to `path`'s is a symlink or
+    not a directory: a reader must not be led out of kvcd's directories any more than a writer
+    (FileNotFoundError when one is missing; nothing to check for a path outside them)."""
+    chain = _own_chain(path.parent)
+    if len(chain) == 1 and not str(chain[0]).endswith(OWN_DIRS):
+        return
+    for directory in chain:
+        mode = os.lstat(directory).st_mode
+        if not stat.S_ISDIR(mode):
+            raise Refused(directory, describe(mode))
+
+
 def open_regular(path: Path) -> BinaryIO:
     """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
-    exist, Refused for a symlink or a special file (without blocking on a FIFO)."""
+    exist, Refused for a symlink or a special file (without blocking on a FIFO), or when a
+    directory above it in kvcd's own directories is a symlink."""
+    _check_own_parents(path)
     return _as_regular(
         _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path
     )

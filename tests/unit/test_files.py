@@ -120,6 +120,35 @@ def test_an_own_directory_that_is_a_symlink_is_not_written_through(
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "which",
+    [
+        pytest.param(lambda r: r.state, id="state-dir"),
+        pytest.param(lambda r: r.state / "instances", id="instances-dir"),
+        pytest.param(lambda r: r.runtime, id="runtime-dir"),
+    ],
+)
+def test_an_own_directory_that_is_a_symlink_is_not_read_through(
+    root: HostRoot, tmp_path: Path, which: Callable[[HostRoot], Path]
+) -> None:
+    """What lies where the link points is not kvcd's state: `kvcd status` must not show a
+    record planted there as the instance's."""
+    link = which(root)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    target = root.state_file("e2e") if link.is_relative_to(root.state) else root.pid_file("e2e")
+    planted = tmp_path / "elsewhere" / target.relative_to(link)
+    planted.parent.mkdir(parents=True)
+    planted.write_text('{"instance": "e2e", "state": "Done"}')
+    os.symlink(tmp_path / "elsewhere", link)
+    for read in (files.read_json, files.read_bytes, files.open_regular):
+        with pytest.raises(files.Refused, match=f"^{link}: is a symlink$"):
+            read(target)
+
+
+def test_a_missing_own_directory_reads_as_no_file(root: HostRoot) -> None:
+    assert files.read_bytes(root.state_file("e2e")) is None
+
+
 def test_an_own_directory_owned_by_someone_else_is_refused(root: HostRoot) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to give a directory away")
