@@ -93,14 +93,15 @@ def test_a_special_file_in_an_own_directory_is_refused_by_name(
     assert os.path.lexists(path)
 
 
-@pytest.mark.parametrize(
-    "which",
-    [
-        pytest.param(lambda r: r.state, id="state-dir"),
-        pytest.param(lambda r: r.state / "instances", id="instances-dir"),
-        pytest.param(lambda r: r.runtime, id="runtime-dir"),
-    ],
-)
+# kvcd's own directories, any of which may be left a symlink.
+OWN_DIRECTORIES = [
+    pytest.param(lambda r: r.state, id="state-dir"),
+    pytest.param(lambda r: r.state / "instances", id="instances-dir"),
+    pytest.param(lambda r: r.runtime, id="runtime-dir"),
+]
+
+
+@pytest.mark.parametrize("which", OWN_DIRECTORIES)
 def test_an_own_directory_that_is_a_symlink_is_not_written_through(
     root: HostRoot, tmp_path: Path, which: Callable[[HostRoot], Path]
 ) -> None:
@@ -120,14 +121,7 @@ def test_an_own_directory_that_is_a_symlink_is_not_written_through(
     assert list(elsewhere.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    "which",
-    [
-        pytest.param(lambda r: r.state, id="state-dir"),
-        pytest.param(lambda r: r.state / "instances", id="instances-dir"),
-        pytest.param(lambda r: r.runtime, id="runtime-dir"),
-    ],
-)
+@pytest.mark.parametrize("which", OWN_DIRECTORIES)
 def test_an_own_directory_that_is_a_symlink_is_not_read_through(
     root: HostRoot, tmp_path: Path, which: Callable[[HostRoot], Path]
 ) -> None:
