@@ -117,6 +117,8 @@ def parse(inst: Any, data: Mapping[str, Any]) -> dict[str, Any]:
                 f"got {rules.show(value)}",
                 "expect_links_timeout",
             )
+        if "expect_links" not in data:
+            raise fail("'expect_links_timeout' needs 'expect_links'", "expect_links_timeout")
         values["expect_links_timeout"] = float(value)
     if "depends_on" in data:
         raw = data["depends_on"]

@@ -135,6 +135,13 @@ _KVC_STOCK_FUNCTION = re.compile(
 _KVC_STOCK_RUNTIME = "$(get_container_environment)"
 
 
+# KVC_CONTAINER_RUNTIME other than podman, in KVC's node-wide conf or an instance's.
+_RUNTIME_REFUSED = (
+    "KVC_CONTAINER_RUNTIME={!r}: kvcd builds and runs driver containers with podman only; "
+    "set KVC_CONTAINER_RUNTIME=podman"
+)
+
+
 def check_kvc_global(path: Path | str, text: str) -> str:
     """KVC's node-wide conf: the container runtime it asks for, which must be podman (the only
     runtime kvcd drives). Read as data like every KVC conf: any other variable, a runtime
@@ -157,12 +164,7 @@ def check_kvc_global(path: Path | str, text: str) -> str:
                 a.line,
             )
         if a.value != "podman":
-            raise ConfigError(
-                path,
-                f"KVC_CONTAINER_RUNTIME={a.value!r}: kvcd builds and runs driver containers "
-                "with podman only; set KVC_CONTAINER_RUNTIME=podman",
-                a.line,
-            )
+            raise ConfigError(path, _RUNTIME_REFUSED.format(a.value), a.line)
         runtime = a.value
     return runtime
 
@@ -404,6 +406,8 @@ def _kvc_instance(name: str, path: Path, text: str) -> InstanceConfig:
             )
         if "\0" in a.value:
             raise ConfigError(path, f"'{variable}' must not contain NUL", a.line)
+        if variable == "KVC_CONTAINER_RUNTIME" and a.value != "podman":  # hooks get podman
+            raise ConfigError(path, _RUNTIME_REFUSED.format(a.value), a.line)
         env.append((variable, a.value))
     return InstanceConfig(
         name=name,

@@ -122,10 +122,9 @@ class TomlInstance:
             )
         if "wrapper_args" in data:
             values["wrapper_args"] = self.wrapper_args(data["wrapper_args"])
-        if values.get("auth_file") and "image" not in values and "variants" not in data:
-            raise self.fail(
-                "'auth_file' holds credentials for pulling 'image': set 'image'", "auth_file"
-            )
+        for key, what in (("auth_file", "holds credentials for"), ("tls_verify", "applies to")):
+            if key in values and "image" not in values and "variants" not in data:
+                raise self.fail(f"'{key}' {what} pulling 'image': set 'image'", key)
         values.update(self.node_keys(data))
 
         if not rules.CAPSCONF_KEYS.isdisjoint(data):  # only then: `kvcd status` parses every config
@@ -197,6 +196,8 @@ class TomlInstance:
             kmm = kmm_label_problem(values["upgrade_label"])
             if kmm is not None:
                 raise self.fail(f"'upgrade_label' {kmm}", "upgrade_label")
+            if not values.get("ordered_upgrade"):
+                raise self.fail("'upgrade_label' needs 'ordered_upgrade = true'", "upgrade_label")
         version = data.get("version")
         if (
             values.get("ordered_upgrade")

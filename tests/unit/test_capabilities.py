@@ -446,6 +446,7 @@ def test_is_kvcd_tag(ref: str, kvcds: bool) -> None:
         (('expect_links = [{ driver = "x", up = 1 }]',), 4, "'up' must be true or false"),
         (('expect_links = ["eth0"]',), 4, "entry 1 must be a table"),
         (("expect_links_timeout = 0",), 4, "'expect_links_timeout' must be a number of seconds"),
+        (("expect_links_timeout = 30",), 4, "'expect_links_timeout' needs 'expect_links'"),
         (('depends_on = "base"',), 4, "'depends_on' must be an array of instance names"),
         (('depends_on = ["-x"]',), 4, "'depends_on' entry '-x' is not an instance name"),
         (('depends_on = ["a", "a"]',), 4, "'depends_on' lists an instance twice"),

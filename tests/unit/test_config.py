@@ -151,6 +151,27 @@ def test_build_arg_values_are_inert_data(marker: Path) -> None:
 # --- bad configs: (id, text, line, exact message fragment) ----------------------------------
 
 BAD_TOML = [
+    # Settings that would do nothing without another are refused, not ignored.
+    (
+        "tls-verify-without-image",
+        doc(
+            'version = "1.0"', 'modules = ["a"]', "tls_verify = false", "[build]", 'context = "/x"'
+        ),
+        3,
+        "'tls_verify' applies to pulling 'image': set 'image'",
+    ),
+    (
+        "upgrade-label-without-ordered-upgrade",
+        doc(*HEAD, 'upgrade_label = "example.com/v"'),
+        4,
+        "'upgrade_label' needs 'ordered_upgrade = true'",
+    ),
+    (
+        "upgrade-label-with-ordered-upgrade-false",
+        doc(*HEAD, "ordered_upgrade = false", 'upgrade_label = "example.com/v"'),
+        5,
+        "'upgrade_label' needs 'ordered_upgrade = true'",
+    ),
     (
         "unknown-key-suggests",
         doc('version = "1.0"', 'modlues = ["a"]', 'image = "r/x"'),

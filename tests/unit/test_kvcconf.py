@@ -126,6 +126,12 @@ def test_assignment_lines() -> None:
 
 BAD_KVC = [
     (
+        "instance-runtime-not-podman",
+        doc(*HEAD, "KVC_CONTAINER_RUNTIME=docker"),
+        4,
+        "KVC_CONTAINER_RUNTIME='docker': kvcd builds and runs driver containers with podman only",
+    ),
+    (
         "missing-version",
         doc(*HEAD[1:]),
         None,
