@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +222,31 @@ def settings_problems(
     return out
 
 
+def kube_credentials_problem(kubeconfig: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(key, one-line refusal) when the kubernetes backend has no credentials it could read:
+    a `kubeconfig` that is not a readable regular file, or none set where there is no
+    in-cluster service account (kvcd runs on the host, not in a pod)."""
+    import stat
+
+    if not kubeconfig:
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            return None
+        return (
+            "node_backend",
+            "node_backend = \"kubernetes\" needs 'kubeconfig': kvcd runs on the host, where "
+            "there is no in-cluster service account (packaging/README.md makes a kubeconfig)",
+        )
+    try:
+        mode = os.stat(kubeconfig).st_mode
+    except OSError as exc:
+        return ("kubeconfig", f"kubeconfig {kubeconfig}: {exc.strerror or exc}")
+    if not stat.S_ISREG(mode):
+        return ("kubeconfig", f"kubeconfig {kubeconfig}: not a regular file")
+    if not os.access(kubeconfig, os.R_OK):
+        return ("kubeconfig", f"kubeconfig {kubeconfig}: not readable")
+    return None
+
+
 def check_settings(
     root: ConfigLocations, settings: Settings, importer: Importer = importlib.import_module
 ) -> None:
@@ -231,6 +257,9 @@ def check_settings(
 
         signing = signing_problem(settings.sign_key, settings.sign_cert)
         problems += [signing] if signing else []
+    if settings.node_backend == "kubernetes" and not problems:
+        credentials = kube_credentials_problem(settings.kubeconfig, os.environ)
+        problems += [credentials] if credentials else []
     if not problems:
         return
     from kvcd.config.loader import setting_line, settings_source

@@ -62,6 +62,7 @@ def test_settings_errors_name_file_line_key(text: str, message: str) -> None:
     [
         ("ordered_upgrade = true\n", "ordered_upgrade", True),
         (
+            "ordered_upgrade = true\n"
             'upgrade_label = "kmm.node.kubernetes.io/version-module.ns.nic"\n',
             "upgrade_label",
             "kmm.node.kubernetes.io/version-module.ns.nic",

@@ -211,9 +211,46 @@ def test_check_config_accepts_the_kubernetes_backend_with_its_client(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("kubernetes")
-    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    kubeconfig = root.root / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    fakehost.write(root.main_config, f'node_backend = "kubernetes"\nkubeconfig = "{kubeconfig}"\n')
     assert main(["--root", str(root.root), "check-config", "--all"]) == 0
     assert "e2e: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("kubeconfig", "environ", "want"),
+    [
+        ("", {}, ("node_backend", "needs 'kubeconfig': kvcd runs on the host")),
+        ("", {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),  # in a pod after all
+        ("{tmp}/missing", {}, ("kubeconfig", "kubeconfig {tmp}/missing: No such file")),
+        ("{tmp}", {}, ("kubeconfig", "kubeconfig {tmp}: not a regular file")),
+        ("{tmp}/kubeconfig", {}, None),
+    ],
+)
+def test_the_kubernetes_backend_needs_credentials_it_can_read(
+    tmp_path: Path, kubeconfig: str, environ: dict[str, str], want: tuple[str, str] | None
+) -> None:
+    (tmp_path / "kubeconfig").write_text("apiVersion: v1\n")
+    got = pylibs.kube_credentials_problem(kubeconfig.format(tmp=tmp_path), environ)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got[0] == want[0]
+        assert want[1].format(tmp=tmp_path) in got[1], got
+
+
+def test_check_config_and_run_refuse_a_missing_kubeconfig_alike(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("kubernetes")
+    fakehost.write(root.main_config, 'node_backend = "kubernetes"\nkubeconfig = "/nonexistent"\n')
+    for verb in (["check-config", "--all"], ["run", "e2e"]):
+        assert main(["--root", str(root.root), *verb]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.endswith(
+            f"{root.main_config}:2: kubeconfig /nonexistent: No such file or directory"
+        ), err
 
 
 @pytest.mark.parametrize("verb", [["check-config", "--all"], ["run", "e2e"]])
