@@ -222,6 +222,23 @@ def settings_problems(
     return out
 
 
+def kube_node_problem(node_name: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(key, one-line refusal) when the node name kvcd would report under comes from
+    $KVCD_NODE_NAME (kvcd.node.backend.NODE_NAME_ENV; kvcd.toml's node_name, checked where it
+    is read, wins) and is not one the API server takes: kvcd would look for a Node that never
+    exists, and retry forever."""
+    from kvcd.config import rules
+
+    name = environ.get("KVCD_NODE_NAME", "")
+    if node_name or not name:
+        return None
+    try:
+        rules.valid_dns_subdomain(name, "KVCD_NODE_NAME")
+    except rules.Invalid as exc:
+        return ("node_backend", f"{exc}, in kvcd's environment (a drop-in of kvcd@.service)")
+    return None
+
+
 def kube_credentials_problem(kubeconfig: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
     """(key, one-line refusal) when the kubernetes backend has no credentials it could read:
     a `kubeconfig` that is not a readable regular file, or none set where there is no
@@ -258,8 +275,10 @@ def check_settings(
         signing = signing_problem(settings.sign_key, settings.sign_cert)
         problems += [signing] if signing else []
     if settings.node_backend == "kubernetes" and not problems:
-        credentials = kube_credentials_problem(settings.kubeconfig, os.environ)
-        problems += [credentials] if credentials else []
+        kube = kube_node_problem(settings.node_name, os.environ) or kube_credentials_problem(
+            settings.kubeconfig, os.environ
+        )
+        problems += [kube] if kube else []
     if not problems:
         return
     from kvcd.config.loader import setting_line, settings_source

@@ -240,6 +240,28 @@ def test_the_kubernetes_backend_needs_credentials_it_can_read(
         assert want[1].format(tmp=tmp_path) in got[1], got
 
 
+@pytest.mark.parametrize(
+    ("node_name", "env", "refused"),
+    [
+        ("", "worker-1.example", False),
+        ("", "Worker-1", True),  # the kubelet lower-cases: its Node is worker-1
+        ("", "node_1", True),
+        ("", "", False),  # the host name, lower-cased
+        ("worker-1", "Worker-1", False),  # kvcd.toml's node_name wins (checked where read)
+    ],
+)
+def test_a_node_name_from_the_environment_must_be_one_the_api_takes(
+    node_name: str, env: str, refused: bool
+) -> None:
+    got = pylibs.kube_node_problem(node_name, {"KVCD_NODE_NAME": env} if env else {})
+    if not refused:
+        assert got is None
+    else:
+        assert got is not None and got[0] == "node_backend"
+        assert got[1].startswith("'KVCD_NODE_NAME' must be a DNS subdomain"), got
+        assert got[1].endswith(f'got "{env}", in kvcd\'s environment (a drop-in of kvcd@.service)')
+
+
 def test_check_config_and_run_refuse_a_missing_kubeconfig_alike(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
