@@ -19,7 +19,7 @@ from kvcd.daemon.record import KernelUnknown, running_kernel
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import regauth
 from kvcd.host.paths import HostRoot
-from kvcd.host.pylibs import check_settings
+from kvcd.host.pylibs import check_settings, locate
 
 
 def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -> int:
@@ -27,9 +27,7 @@ def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -
     (or kvcd.toml is not)."""
 
     settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
-    # ConfigError: a setting needs a library that does not import. Imported for real, as
-    # `kvcd run` does at start: an installed but broken one must not pass here and fail there.
-    check_settings(root, settings)
+    check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
     if os.path.lexists(root.kvc_conf(KVC_GLOBAL)):  # load_settings checked it
         print(f"{root.kvc_conf(KVC_GLOBAL)}: ok (KVC's node-wide conf: container runtime podman)")
     if not names:

@@ -87,7 +87,13 @@ PROBE = (
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> HostRoot:
     root = HostRoot(tmp_path_factory.mktemp("startup"))
     fakehost.make_host(root, K)
-    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
+    # The kubernetes backend, with credentials it can read: check-config must still not
+    # import the client (it looks the package up; the start imports it).
+    fakehost.write(root("/etc/kvcd/kubeconfig"), "apiVersion: v1\nkind: Config\n")
+    fakehost.write(
+        root.main_config,
+        f'node_backend = "kubernetes"\nkubeconfig = "{root("/etc/kvcd/kubeconfig")}"\n',
+    )
     fakehost.write(root("/run/ostree-booted"), "")
     for name in ("drv0", "drv1"):
         fakehost.write_config(

@@ -182,31 +182,6 @@ def test_check_config_refuses_the_kubernetes_backend_without_its_client(
     assert "\n" not in err
 
 
-@pytest.mark.parametrize("verb", [["check-config", "--all"], ["run", "e2e"]])
-def test_a_setting_whose_library_is_installed_but_broken_is_refused_alike(
-    root: HostRoot,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    verb: list[str],
-) -> None:
-    """check-config and the start agree: a kubernetes client that is there but does not import
-    (one of its own dependencies gone) is refused by both, in the same words."""
-    broken = tmp_path / "site" / "kubernetes"
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'yaml'\")\n")
-    monkeypatch.syspath_prepend(str(broken.parent))
-    for name in [m for m in sys.modules if m == "kubernetes" or m.startswith("kubernetes.")]:
-        monkeypatch.delitem(sys.modules, name)
-    fakehost.write(root.main_config, 'node_backend = "kubernetes"\n')
-    assert main(["--root", str(root.root), *verb]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.endswith(
-        f'{root.main_config}:1: node_backend = "kubernetes" needs the Python package '
-        "'kubernetes' (RPM python3-kubernetes): No module named 'yaml'"
-    ), err
-
-
 def test_check_config_accepts_the_kubernetes_backend_with_its_client(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
