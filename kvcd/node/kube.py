@@ -34,6 +34,9 @@ from kvcd.host import pylibs
 from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
 
 log = logging.getLogger(__name__)
+# A dropped connection or two is routine (debug); this many failures in a row are said once in
+# the journal at WARNING, and the recovery after them at INFO.
+WATCH_WARN_AFTER = 3
 
 RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 EVENTS_NAMESPACE = "default"
@@ -201,11 +204,22 @@ class KubeBackend(Backend):
 
         rv: str | None = None
         failures = 0
+        said = False  # a failing watch was said in the journal (at WARNING): say its recovery
+
+        def working() -> None:  # the node read, or an event came: the watch works
+            nonlocal failures, said
+            failures = 0
+            if said:
+                log.info("node watch: working again")
+                said = False
+
         while not self._stop.is_set():
+            why = ""
             try:
                 if rv is None:  # (re-)list: the current state and where to watch from
                     view = self.read()
                     rv = view.version
+                    working()
                     on_change(view)
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for ev in self._watch.stream(
@@ -224,23 +238,28 @@ class KubeBackend(Backend):
                             raise ApiException(status=410, reason="Gone")
                         raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                    working()
                     if ev.get("type") in ("ADDED", "MODIFIED"):
                         on_change(self._view(obj))
-                failures = 0
+                working()
             except ApiException as exc:
                 if exc.status == 410:
                     log.debug("node watch: 410 Gone, re-listing")
                     rv = None
                     continue
-                failures += 1
-                log.debug("node watch: HTTP %s", exc.status)
+                why = f"HTTP {exc.status} {exc.reason or ''}".rstrip()
+                # Refused credentials do not fix themselves: say so at once.
+                failures = max(failures + 1, WATCH_WARN_AFTER if exc.status in (401, 403) else 0)
             except Unavailable as exc:
-                failures += 1
-                log.debug("node watch: %s", exc)
+                failures, why = failures + 1, str(exc)
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
-                failures += 1
-                log.debug("node watch: %s: %s", type(exc).__name__, exc)
+                failures, why = failures + 1, f"{type(exc).__name__}: {exc}"
             if failures:
+                if failures >= WATCH_WARN_AFTER and not said:
+                    log.warning("node watch: %s; retrying with back-off", why)
+                    said = True
+                else:
+                    log.debug("node watch: %s", why)
                 self._stop.wait(self._delay(min(failures - 1, 6)))
 
     def stop(self) -> None:

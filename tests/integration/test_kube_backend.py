@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -485,6 +486,41 @@ def test_watch_follows_changes_relists_on_410_and_resumes_after_drops(
     ]
     assert watch_rvs == sorted(watch_rvs)  # never goes back in history
     assert watch_rvs[-1] >= api.compacted
+
+
+@pytest.mark.parametrize(
+    ("faults", "warned"),
+    [
+        (["drop", 500], None),  # routine: debug only
+        ([500, 500, 500, 500], "node watch: HTTP 500"),  # WATCH_WARN_AFTER in a row
+        ([403], "node watch: HTTP 403"),  # refused credentials: at once
+    ],
+)
+def test_a_failing_watch_is_said_once_and_its_recovery_too(
+    api: FakeAPI,
+    backend: Any,
+    caplog: pytest.LogCaptureFixture,
+    faults: list[Any],
+    warned: str | None,
+) -> None:
+    """A watch that keeps failing reaches the journal once at WARNING, not at debug only and
+    not on every retry; when it works again, that is said at INFO."""
+    be, _ = backend
+    caplog.set_level(logging.DEBUG, logger="kvcd.node.kube")
+    seen = threading.Event()
+    api.faults["WATCH"] = list(faults)
+    be.watch(lambda v: seen.set() if v.labels.get("kvcd.io/version.nic") == "1" else None)
+    assert until(lambda: not api.faults["WATCH"] and api.watching == 1)
+    api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "1"}))
+    assert seen.wait(timeout=30)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    if warned is None:
+        assert warnings == [] and "node watch: working again" not in infos
+    else:
+        assert len(warnings) == 1 and warnings[0].startswith(warned), warnings
+        assert warnings[0].endswith("; retrying with back-off"), warnings
+        assert until(lambda: "node watch: working again" in caplog.messages)
 
 
 def test_events_name_the_node(api: FakeAPI, backend: Any) -> None:
