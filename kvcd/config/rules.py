@@ -412,6 +412,12 @@ def valid_choice(value: object, label: str, allowed: tuple[str, ...]) -> str:
     raise Invalid(f"'{label}' must be one of {', '.join(map(repr, allowed))}, got {show(value)}")
 
 
+# The environment variable that names the node where kvcd.toml's node_name does not
+# (packaging/README.md: a kvcd@.service drop-in with the kubelet's name where it is not the
+# host name). kvcd.node.backend reads it; kvcd.host.pylibs refuses one the API would not take.
+NODE_NAME_ENV = "KVCD_NODE_NAME"
+
+
 def valid_node_name(value: object, label: str) -> str:
     if isinstance(value, str) and (value == "" or valid_dns_subdomain(value, label)):
         return value

@@ -92,8 +92,7 @@ def collect(
         for tree in stale:
             path = base / tree.version / tree.kernel
             try:  # store.trees follows symlinks; the clean-up never reads or removes through one
-                for directory in (base, path.parent, path):
-                    files.check_dir(directory)
+                files.check_own_dirs(path)
             except files.Refused as exc:
                 log.warning("store clean-up: left %s", exc, extra=fields)
                 continue

@@ -159,24 +159,24 @@ def _must_be_regular(fd: int, path: Path) -> None:
         raise Refused(path, describe(mode))
 
 
-def _check_own_parents(path: Path) -> None:
-    """Refused when a directory from kvcd's own base directory down to `path`'s is a symlink or
-    not a directory: a reader must not be led out of kvcd's directories any more than a writer
-    (FileNotFoundError when one is missing; nothing to check for a path outside them)."""
-    chain = _own_chain(path.parent)
+def check_own_dirs(directory: Path) -> None:
+    """Refused when a directory from kvcd's own base directory down to `directory` is a symlink
+    or not a directory: a reader, or a removal, must not be led out of kvcd's directories any
+    more than a writer (FileNotFoundError when one is missing; nothing to check outside them)."""
+    chain = _own_chain(directory)
     if len(chain) == 1 and not str(chain[0]).endswith(OWN_DIRS):
         return
-    for directory in chain:
-        mode = os.lstat(directory).st_mode
+    for d in chain:
+        mode = os.lstat(d).st_mode
         if not stat.S_ISDIR(mode):
-            raise Refused(directory, describe(mode))
+            raise Refused(d, describe(mode))
 
 
 def open_regular(path: Path) -> BinaryIO:
     """A regular file of kvcd's own, open for reading: FileNotFoundError when it does not
     exist, Refused for a symlink or a special file (without blocking on a FIFO), or when a
     directory above it in kvcd's own directories is a symlink."""
-    _check_own_parents(path)
+    check_own_dirs(path.parent)
     return _as_regular(
         _open_own(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), path
     )

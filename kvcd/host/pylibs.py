@@ -223,17 +223,17 @@ def settings_problems(
 
 
 def kube_node_problem(node_name: str, environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """(key, one-line refusal) when the node name kvcd would report under comes from
-    $KVCD_NODE_NAME (kvcd.node.backend.NODE_NAME_ENV; kvcd.toml's node_name, checked where it
-    is read, wins) and is not one the API server takes: kvcd would look for a Node that never
-    exists, and retry forever."""
+    """(key, one-line refusal) when the node name kvcd would report under comes from its
+    environment (rules.NODE_NAME_ENV; kvcd.toml's node_name, checked where it is read, wins)
+    and is not one the API server takes: kvcd would look for a Node that never exists, and
+    retry forever."""
     from kvcd.config import rules
 
-    name = environ.get("KVCD_NODE_NAME", "")
+    name = environ.get(rules.NODE_NAME_ENV, "")
     if node_name or not name:
         return None
     try:
-        rules.valid_dns_subdomain(name, "KVCD_NODE_NAME")
+        rules.valid_dns_subdomain(name, rules.NODE_NAME_ENV)
     except rules.Invalid as exc:
         return ("node_backend", f"{exc}, in kvcd's environment (a drop-in of kvcd@.service)")
     return None

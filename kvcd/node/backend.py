@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvcd.config.model import Settings
+from kvcd.config.rules import NODE_NAME_ENV
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +176,6 @@ class NodeWriter:
                 "node %s unavailable: %s; keeping modules, will retry", self.backend.kind, exc
             )
         self.failing = str(exc)
-
-
-# The environment variable that names the node (packaging/README.md: a kvcd@.service drop-in
-# with the kubelet's name where it is not the host name).
-NODE_NAME_ENV = "KVCD_NODE_NAME"
 
 
 def node_name(settings: Settings, environ: Mapping[str, str], hostname: str) -> str:
