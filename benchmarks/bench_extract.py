@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         (ctx / "Containerfile").write_text(
             f"FROM {base}\nARG KVER\nCOPY *.ko /lib/modules/${{KVER}}/extra/\n"
         )
-        tag = f"localhost/kvcd-bench-1.0:{k}"
+        tag = f"localhost/kvcd/bench/1.0:{k}"
         with Podman(url) as pod:
             pod.build(
                 BuildSpec(

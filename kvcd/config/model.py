@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvcd.core import names
 from kvcd.core.modulespec import ModuleSpec
 
 if TYPE_CHECKING:
@@ -19,7 +20,6 @@ __all__ = [
     "ModuleSpec",
     "Settings",
     "Variant",
-    "tag_safe",
 ]
 
 
@@ -141,12 +141,9 @@ class InstanceConfig:
         return template.replace("{kernel}", kernel).replace("{version}", self.version)
 
     def image_tag(self, kernel: str) -> str:
-        """kvcd's own local tag: kvcd-<instance>-<version>:<kernel, tag-safe>; with a variant,
-        kvcd-<instance>-<variant>-<version>, so a cached image of another variant is not used."""
-        name = tag_safe(self.name)
-        if self.variant is not None:
-            name += f"-{tag_safe(self.variant)}"
-        return f"{KVCD_TAG_PREFIX}{name}-{tag_safe(self.version)}:{tag_safe(kernel)}"
+        """kvcd's own name for this instance's image for `kernel` (kvcd.core.names.image_tag):
+        localhost/kvcd/<instance>[/<variant>]/<version>:<kernel>, one per config and kernel."""
+        return names.image_tag(self.name, self.variant, self.version, kernel)
 
     def path_in_image(self, kernel: str) -> str:
         return self.modules_path.replace("{kernel}", kernel)
@@ -204,27 +201,9 @@ class Settings:
     inhibit_reboot: bool = False
 
 
-_TAG_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-
-# Every image name kvcd gives (InstanceConfig.image_tag) starts so: the names are kvcd's.
-KVCD_TAG_PREFIX = "localhost/kvcd-"
-
-
 def is_kvcd_tag(ref: str) -> bool:
-    """Whether `ref` is a name kvcd gives (localhost/kvcd-NAME-VERSION:KERNEL)."""
-    return ref.startswith(KVCD_TAG_PREFIX) and "/" not in ref[len(KVCD_TAG_PREFIX) :]
-
-
-def tag_safe(text: str) -> str:
-    """Make text usable as an image name part or tag: lower-case for names, others -> '_'.
-
-    Tags allow [A-Za-z0-9_.-] up to 128 characters and must not start with '.' or '-'.
-    """
-    out = "".join(c if c in _TAG_OK else "_" for c in text)
-    if out[:1] in {".", "-"}:
-        out = "_" + out[1:]
-    return out.lower()[:128]
+    """Whether `ref` is a name kvcd gives (InstanceConfig.image_tag)."""
+    return names.is_image_tag(ref)
 
 
 class ConfigLocations(Protocol):

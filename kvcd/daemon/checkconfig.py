@@ -81,7 +81,7 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
         return False
-    problem, warnings = _neighbours(node, cfg, kernel)
+    problem, warnings = _neighbours(node, cfg)
     if problem:
         print(f"{name}: INVALID: {problem}")
         return False
@@ -112,9 +112,9 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     return not problem
 
 
-def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[str, list[str]]:
+def _neighbours(node: _Node, cfg: InstanceConfig) -> tuple[str, list[str]]:
     """What another instance makes impossible for this one: the error ("" when none) when
-    another holds one of its modules or would use its image tag; a warning per other configured
+    another holds one of its modules; a warning per other configured
     instance that lists some of its modules (only one of them can be running)."""
 
     name, modules = cfg.name, [m.kernel_name for m in cfg.modules]
@@ -128,11 +128,6 @@ def _neighbours(node: _Node, cfg: InstanceConfig, kernel: str | None) -> tuple[s
                 others[other] = node.config(other)
             except ConfigError:  # said where that instance is checked
                 continue
-    if kernel:
-        tag = cfg.image_tag(kernel)
-        clash = sorted(o for o, c in others.items() if c.image_tag(kernel) == tag)
-        if clash:
-            return f"image tag {tag} is also instance {clash[0]}'s: rename one of them", []
     found: dict[str, list[str]] = {}
     claims = {o: [m.kernel_name for m in c.modules] for o, c in others.items()}
     for s in owners.shared(name, modules, claims):

@@ -12,6 +12,7 @@ from kvcd.config.model import InstanceConfig, is_kvcd_tag
 
 if TYPE_CHECKING:
     from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import ImageInfo
 
 
 def _inputs(cfg: InstanceConfig, kernel: str) -> str:
@@ -55,6 +56,31 @@ def not_ours(cfg: InstanceConfig, kernel: str, image_labels: Mapping[str, str]) 
         if image_labels.get(k) != want[k]
     ]
     return f"for {', '.join(wrong)}" if wrong else None
+
+
+def legacy_tag(cfg: InstanceConfig, kernel: str) -> str:
+    """The name kvcd gave this image before names had one path component per field:
+    localhost/kvcd-<instance>[-<variant>]-<version>:<kernel>, lower case, other characters '_'.
+    Different configs could share it (`Foo` and `foo`), so an image found under it is taken only
+    with proof that it is this config's (adoptable)."""
+
+    def safe(text: str) -> str:
+        out = "".join(c if c.isascii() and (c.isalnum() or c in "_.-") else "_" for c in text)
+        return ("_" + out[1:] if out[:1] in {".", "-"} else out).lower()[:128]
+
+    name = safe(cfg.name) + (f"-{safe(cfg.variant)}" if cfg.variant is not None else "")
+    return f"localhost/kvcd-{name}-{safe(cfg.version)}:{safe(kernel)}"
+
+
+def adoptable(cfg: InstanceConfig, kernel: str, info: ImageInfo, pull_ref: str | None) -> bool:
+    """Whether an image under legacy_tag is this config's: kvcd built it for this instance,
+    version and kernel (its labels say so), or it carries no kvcd labels and is the image this
+    config pulls (it still has the registry name)."""
+    if "io.kvcd.instance" in info.labels:
+        return not_ours(cfg, kernel, info.labels) is None
+    if pull_ref is None:
+        return False
+    return pull_ref in info.tags or f"{pull_ref}:latest" in info.tags
 
 
 def release(client: Podman, name: str, tags: Collection[str]) -> list[str]:

@@ -51,7 +51,7 @@ class Images:
         from kvcd.host.podtypes import PodmanUnavailable
 
         try:
-            cached = self.podman().get_image(a.tag)
+            cached = self.podman().get_image(a.tag) or self._adopted(a)
             foreign = None if cached is None else self.foreign(cached)
             if cached is not None and foreign is None:
                 log.info("image %s is cached; no build", a.tag, extra=self.fields)
@@ -73,6 +73,24 @@ class Images:
         except PodmanUnavailable as exc:
             raise StepFailed(state.PODMAN_UNAVAILABLE, str(exc), transient=True) from exc
         return False
+
+    def _adopted(self, a: act.AcquireImage) -> ImageInfo | None:
+        """The image cached under the name an older kvcd gave it, when it is provably this
+        config's (imagelabels.adoptable): renamed to a.tag, so an update of kvcd builds nothing."""
+        from kvcd.host.podtypes import PodmanError
+
+        legacy = imagelabels.legacy_tag(self.cfg, self.kernel)
+        try:
+            info = self.podman().get_image(legacy)
+            if info is None or not imagelabels.adoptable(self.cfg, self.kernel, info, a.pull_ref):
+                return None
+            self.podman().tag(info.id, a.tag)
+            self.podman().tag(info.id, legacy, untag=True)
+        except PodmanError as exc:  # then it is got again, as if there were none
+            log.warning("cannot rename image %s to %s: %s", legacy, a.tag, exc, extra=self.fields)
+            return None
+        log.info("image %s is now named %s", legacy, a.tag, extra=self.fields)
+        return self.podman().get_image(a.tag)
 
     def foreign(self, info: ImageInfo) -> str | None:
         return imagelabels.not_ours(self.cfg, self.kernel, info.labels)

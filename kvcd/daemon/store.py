@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvcd.config.model import tag_safe
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
@@ -153,7 +152,14 @@ def digest(path: Path) -> str:
 
 def tree(root: HostRoot, instance: str, version: str, kernel: str) -> Path:
     """The store tree of `instance`'s `version` for `kernel`."""
-    return root.store(instance) / tag_safe(version) / kernel
+    return root.store(instance) / _version_dir(version) / kernel
+
+
+def _version_dir(version: str) -> str:
+    """A version's directory name: lower case, '+' and '~' as '_' (the image tag's rule when
+    the store was made; kept so existing trees are found). Versions this folds together share
+    a directory; its manifest names the one extracted there, and the plan compares it."""
+    return "".join("_" if c in "+~" else c for c in version).lower()
 
 
 def trees(root: HostRoot, instance: str) -> list[Path]:

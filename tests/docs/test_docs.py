@@ -627,3 +627,17 @@ def test_the_install_table_lists_what_the_rpm_installs() -> None:
     listed = {p.rstrip("/") for p in re.findall(r"^\| `([^`]+)`", table, re.M)}
     # A directory is listed by its own row or by the rows of what it holds.
     assert [p for p in paths if not any(x == p or x.startswith(p + "/") for x in listed)] == []
+
+
+def test_the_image_names_the_readme_shows_are_the_names_kvcd_gives() -> None:
+    """`podman save … localhost/kvcd/gpu/550.54:…` on a connected node, and the name of an
+    instance whose name is not written as it is (`Foo`)."""
+    from kvcd.core.names import image_tag
+
+    text = (REPO / "README.md").read_text()
+    save = re.search(r"^podman save -o \S+ (\S+)", text, re.M)
+    assert save is not None
+    assert save[1] == image_tag("gpu", None, "550.54", "6.1.0-18-amd64")
+    foo = re.search(r"instance `Foo` is `(localhost/kvcd/[^/`]+)/…`", text)
+    assert foo is not None
+    assert image_tag("Foo", None, "1.0", "6.1.0").startswith(f"{foo[1]}/")

@@ -374,10 +374,10 @@ def journal_json(build_lines: int, build_end: str) -> str:
     end = {"finished": journal.MSG_BUILD_FINISHED, "failed": journal.MSG_BUILD_FAILED}[build_end]
     recs = [
         rec("Starting kvcd@e2e-kmod.service...", ident="systemd"),
-        rec("step: build localhost/kvcd-e2e-kmod-1.0:6.1.0-e2e"),
-        rec("build of localhost/kvcd-e2e-kmod-1.0 started", journal.MSG_BUILD_STARTED),
+        rec("step: build localhost/kvcd/e2e-kmod/1.0:6.1.0-e2e"),
+        rec("build of localhost/kvcd/e2e-kmod/1.0 started", journal.MSG_BUILD_STARTED),
         *(rec(f"BUILD OUTPUT {i}") for i in range(build_lines)),
-        rec(f"build of localhost/kvcd-e2e-kmod-1.0 {build_end}", end),
+        rec(f"build of localhost/kvcd/e2e-kmod/1.0 {build_end}", end),
         rec("loaded kvcd_base", journal.MSG_LOADED),
         rec("state Done (loaded)"),
     ]

@@ -91,7 +91,7 @@ def test_build_extract_activate_depmod_resolves_in_dependency_order(
     node.instance("e2e", "1.0")
     assert node.kvcd("build", "e2e") == 0
 
-    image = podman.get_image(f"localhost/kvcd-e2e-1.0:{node.kernel}")
+    image = podman.get_image(f"localhost/kvcd/e2e/1.0:{node.kernel}")
     assert image is not None
     assert image.labels["io.kvcd.instance"] == "e2e"
     assert image.labels["io.kvcd.kernel"] == node.kernel
@@ -156,7 +156,7 @@ def test_failed_build_keeps_previous_image_and_store(
     assert "BuildFailed" in capsys.readouterr().err
     st = node.status(capsys, "fb")
     assert st["state"] == "Degraded" and st["reason"].startswith("BuildFailed: ")
-    assert podman.get_image(f"localhost/kvcd-fb-1.0:{node.kernel}") is not None
+    assert podman.get_image(f"localhost/kvcd/fb/1.0:{node.kernel}") is not None
     assert (node.root.store("fb") / "1.0" / node.kernel / ".kvcd-manifest.json").exists()
     assert not (node.root.store("fb") / "2.0").exists()
 
@@ -167,7 +167,7 @@ def test_image_for_another_kernel_is_refused_before_anything_is_activated(
     node.instance("wk", "1.0")
     assert node.kvcd("build", "wk", "--kernel", "6.1.0-99-amd64") == 1
     err = capsys.readouterr().err
-    tag = "localhost/kvcd-wk-1.0:6.1.0-99-amd64"
+    tag = "localhost/kvcd/wk/1.0:6.1.0-99-amd64"
     assert f"WrongKernel: kvcd_base.ko in {tag} was built for {node.kernel}" in err
 
 
@@ -187,7 +187,7 @@ def _built_and_saved(
     removed, as on a node that has only the archive. Its tag and image id."""
     node.instance(name, "1.0")
     assert node.kvcd("build", name) == 0
-    tag = f"localhost/kvcd-{name}-1.0:{node.kernel}"
+    tag = f"localhost/kvcd/{name}/1.0:{node.kernel}"
     built = podman.get_image(tag)
     assert built is not None
     _save(podman_service, tag, dest)
@@ -225,14 +225,14 @@ def test_pinned_archive_is_loaded_never_pulled_or_built(
     # Another instance's archive is refused, not loaded under this instance's tag.
     node.instance("src", "1.0")
     assert node.kvcd("build", "src") == 0
-    _save(podman_service, f"localhost/kvcd-src-1.0:{node.kernel}", archives / "src.tar")
+    _save(podman_service, f"localhost/kvcd/src/1.0:{node.kernel}", archives / "src.tar")
     _pin(node, "stranger", f"{archives}/src.tar")
     capsys.readouterr()
     assert node.kvcd("build", "stranger") == 1
     err = capsys.readouterr().err
     assert f"ImportFailed: {archives}/src.tar: its image " in err
     assert "was built by kvcd for instance 'src'" in err
-    assert podman.get_image(f"localhost/kvcd-stranger-1.0:{node.kernel}") is None
+    assert podman.get_image(f"localhost/kvcd/stranger/1.0:{node.kernel}") is None
 
 
 @pytest.mark.parametrize(
@@ -287,3 +287,64 @@ def test_image_import_gives_an_instance_its_image_without_a_build(
     # Names and kernels are checked at the edge, before anything is read.
     assert node.kvcd("image", "import", "../imp", str(archive)) == 2
     assert node.kvcd("image", "import", "imp", str(archive), "--kernel", "../x") == 2
+
+
+# --- names an older kvcd gave its images (localhost/kvcd-<instance>-<version>:<kernel>) -------
+
+
+def _rename_to_legacy(podman: Podman, tag: str, legacy: str) -> str:
+    info = podman.get_image(tag)
+    assert info is not None
+    podman.tag(info.id, legacy)
+    podman.tag(info.id, tag, untag=True)
+    return info.id
+
+
+def test_an_image_an_older_kvcd_named_is_renamed_when_it_is_provably_this_configs(
+    node: Node, podman: Podman, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node.instance("old", "1.0")
+    assert node.kvcd("build", "old") == 0
+    tag, legacy = f"localhost/kvcd/old/1.0:{node.kernel}", f"localhost/kvcd-old-1.0:{node.kernel}"
+    built = _rename_to_legacy(podman, tag, legacy)
+    shutil.rmtree(node.root.store("old"))
+
+    assert node.kvcd("build", "old") == 0  # its labels say whose it is: renamed, not built
+    renamed = podman.get_image(tag)
+    assert renamed is not None and renamed.id == built and legacy not in renamed.tags
+
+    # Under the old name of both `Old` and `old`: instance Old's build is not old's.
+    node.instance("Old", "1.0")
+    assert node.kvcd("build", "Old") == 0
+    theirs = _rename_to_legacy(
+        podman, load_instance(node.root, "Old").image_tag(node.kernel), legacy
+    )
+    podman.remove_image(built)
+    shutil.rmtree(node.root.store("old"))
+    assert node.kvcd("build", "old") == 0
+    rebuilt = podman.get_image(tag)
+    assert rebuilt is not None and rebuilt.id not in (built, theirs)
+    kept = podman.get_image(legacy)
+    assert kept is not None and kept.id == theirs
+
+
+def test_a_pulled_image_an_older_kvcd_named_is_renamed_when_it_still_has_its_registry_name(
+    node: Node, podman: Podman, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvcd.host.podtypes import BuildSpec
+
+    registry = "registry.invalid:5000/drivers/pl:1.0"  # as pulled: no kvcd labels
+    node.instance("pl", "1.0")
+    ctx = node.tmp / "ctx-pl-1.0"
+    args = {"KVER": node.kernel, "KMODVER": "1.0"}
+    pulled = podman.build(BuildSpec(str(ctx), "Containerfile", registry, args, {}), [].append)
+    legacy = f"localhost/kvcd-pl-1.0:{node.kernel}"
+    podman.tag(pulled.id, legacy)
+    fakehost.write_config(
+        node.root,
+        "pl",
+        f'version = "1.0"\nmodules = ["kvcd_base", "kvcd_user"]\nimage = "{registry}"\n',
+    )
+    assert node.kvcd("build", "pl") == 0  # no pull: the registry is not there
+    renamed = podman.get_image(f"localhost/kvcd/pl/1.0:{node.kernel}")
+    assert renamed is not None and renamed.id == pulled.id and legacy not in renamed.tags

@@ -330,7 +330,7 @@ def test_release_gives_back_only_what_no_one_else_names(
     registry name and kvcd's per-kernel names), given back one kernel's tree at a time."""
     name = uniq("rel")
     ctx = driver_context(tmp_path, base_image)
-    k1, k2 = f"localhost/kvcd-{name}-1.0:k1", f"localhost/kvcd-{name}-1.0:k2"
+    k1, k2 = f"localhost/kvcd/{name}/1.0:k1", f"localhost/kvcd/{name}/1.0:k2"
     registry = f"registry.example:5000/drivers/{name}:1.0"  # as pulled
     spec = BuildSpec(str(ctx), "Containerfile", registry, {"KVER": KVER, "KMODVER": "1.0"}, {})
     img = podman.build(spec, [].append)

@@ -368,27 +368,10 @@ def test_variant_image_tag_names_the_variant() -> None:
     cfg = parse_instance_toml("foo", SRC, VARIANTS)
     plain = dataclasses.replace(cfg, variant=None)
     rt = dataclasses.replace(cfg, variant="rt")
-    assert plain.image_tag("6.1.0") == "localhost/kvcd-foo-1.0:6.1.0"
-    assert rt.image_tag("6.1.0") == "localhost/kvcd-foo-rt-1.0:6.1.0"
+    assert plain.image_tag("6.1.0") == "localhost/kvcd/foo/1.0:6.1.0"
+    assert rt.image_tag("6.1.0") == "localhost/kvcd/foo/rt/1.0:6.1.0"
     for tag in (plain.image_tag("6.1.0"), rt.image_tag("6.1.0")):
         assert is_kvcd_tag(tag)
-
-
-@pytest.mark.parametrize(
-    ("ref", "kvcds"),
-    [
-        ("localhost/kvcd-foo-1.0:6.1.0", True),
-        (
-            "localhost/kvcd-test/foo:1.0",
-            False,
-        ),  # a repository under kvcd-test: not a name kvcd gives
-        ("quay.io/localhost/kvcd-foo-1.0:6.1.0", False),
-        ("localhost/kvcdfoo-1.0:6.1.0", False),
-        ("registry.example:5000/drivers/foo:1.0", False),
-    ],
-)
-def test_is_kvcd_tag(ref: str, kvcds: bool) -> None:
-    assert is_kvcd_tag(ref) is kvcds
 
 
 @pytest.mark.parametrize(

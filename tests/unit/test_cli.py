@@ -86,8 +86,8 @@ def test_dry_run_prints_the_plan_and_changes_nothing(
     before = sorted(p.relative_to(root.root) for p in root.root.rglob("*"))
     assert run(root, "load", "e2e", "--dry-run") == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"build localhost/kvcd-e2e-1.0:{K} from /src",
-        f"extract /lib/modules/{K}/ of localhost/kvcd-e2e-1.0:{K} into the store (1.0, {K})",
+        f"build localhost/kvcd/e2e/1.0:{K} from /src",
+        f"extract /lib/modules/{K}/ of localhost/kvcd/e2e/1.0:{K} into the store (1.0, {K})",
         "remove all but the newest 3 images of this instance",
         f"activate version 1.0 in the module root for {K} and run depmod",
         "load kvcd_base and verify it in /sys/module",
@@ -104,7 +104,7 @@ def test_kernel_flag_overrides_the_running_kernel(
 ) -> None:
     fakehost.write_config(root, "e2e", GOOD)
     assert run(root, "build", "e2e", "--kernel", "6.1.0-99-amd64", "--dry-run") == 0
-    assert "localhost/kvcd-e2e-1.0:6.1.0-99-amd64" in capsys.readouterr().out
+    assert "localhost/kvcd/e2e/1.0:6.1.0-99-amd64" in capsys.readouterr().out
 
 
 def test_check_config_all_reports_each_and_exits_2_on_any_bad(

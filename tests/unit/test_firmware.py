@@ -286,7 +286,7 @@ class FirmwarePodman(FakePodman):
         if tuple(patterns) != ("*",):
             return super().extract(ref, path, dest, patterns)
         self.calls.append(("extract-firmware", (ref, path)))
-        blobs = self.shipped[ref.split(":", 1)[0].rsplit("-", 1)[-1]]
+        blobs = self.shipped[ref.split(":", 1)[0].rsplit("/", 1)[-1]]
         out = []
         for name, data in blobs.items():
             p = dest / name
@@ -321,7 +321,7 @@ def test_an_instance_installs_its_firmware_before_its_modules_load(
         mp.setattr(kmod, "load", load)
         rec = instance(host, pod, "1.0", firmware_path="/firmware").apply("load")
     assert rec.state == state.DONE and seen == [True, True]
-    assert ("extract-firmware", (f"localhost/kvcd-e2e-1.0:{K}", "/firmware")) in pod.calls
+    assert ("extract-firmware", (f"localhost/kvcd/e2e/1.0:{K}", "/firmware")) in pod.calls
     manifest = store.read_manifest(store.tree(host, "e2e", "1.0", K))
     assert manifest is not None
     assert manifest.firmware == {"vendor/fw.bin": hashlib.sha256(b"v1").hexdigest()}

@@ -431,7 +431,7 @@ def test_instance_uses_the_variant_that_fits(
     assert inst.cfg.variant == variant and inst.no_variant is None
     d = inst.desired
     assert d.pull_ref == pull and d.build_context == context_dir
-    assert d.image_tag.startswith(f"localhost/kvcd-e2e-{variant}-1.0:")
+    assert d.image_tag.startswith(f"localhost/kvcd/e2e/{variant}/1.0:")
     # Resolving twice is a no-op.
     assert resolve_variant(host, Settings(), inst.cfg) == (inst.cfg, None)
 

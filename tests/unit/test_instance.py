@@ -172,7 +172,7 @@ def test_first_load_builds_extracts_activates_and_loads_in_order(
         "io.kvcd.inputs": build.labels["io.kvcd.inputs"],
     }
     assert re.fullmatch(r"[0-9a-f]{16}", build.labels["io.kvcd.inputs"])
-    assert build.tag == f"localhost/kvcd-e2e-1.0:{K}"
+    assert build.tag == f"localhost/kvcd/e2e/1.0:{K}"
     root_arg = str(host.module_root)
     assert modprobe_calls(fake_commands) == [
         ["-d", root_arg, "-S", K, "kvcd_base"],
@@ -373,7 +373,7 @@ def test_failed_build_leaves_loaded_version_and_images_alone(
     assert err.value.code == state.BUILD_FAILED and "RUN make" in err.value.detail
     assert modprobe_calls(fake_commands) == calls_before  # nothing unloaded or loaded
     assert (host.sys_module / "kvcd_user").is_dir()
-    assert f"localhost/kvcd-e2e-1.0:{K}" in pod.images
+    assert f"localhost/kvcd/e2e/1.0:{K}" in pod.images
 
 
 def test_unload_in_reverse_order_then_verified(host: HostRoot, fake_commands: Any) -> None:

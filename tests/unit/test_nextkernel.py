@@ -557,7 +557,7 @@ def test_clean_up_gives_back_the_images_of_the_trees_it_removes(host: HostRoot) 
     """A pulled or loaded image carries no kvcd label: only the removed tree's manifest names
     it, so the clean-up hands that name to `release` (imagelabels.release, podman), once."""
     running_extraction(host)
-    fakehost.store_version(host, NAME, "0.9", A, ["kvcd_base"], image="localhost/kvcd-e2e-0.9:a")
+    fakehost.store_version(host, NAME, "0.9", A, ["kvcd_base"], image="localhost/kvcd/e2e/0.9:a")
     gone = fakehost.store_version(host, NAME, "1.0", C, ["kvcd_base"], image="localhost/x:c")
     asked: list[set[str]] = []
 

@@ -21,7 +21,7 @@ from kvcd.core.plan import plan_build, plan_load, plan_prepare, plan_unload
 from kvcd.core.types import Desired, ModState, ModuleSpec, Observed
 
 K = "6.1.0-56-amd64"
-TAG = "localhost/kvcd-e2e-2.0:6.1.0-56-amd64"
+TAG = "localhost/kvcd/e2e/2.0:6.1.0-56-amd64"
 D = Desired(
     instance="e2e",
     version="2.0",

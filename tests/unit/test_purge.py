@@ -32,7 +32,7 @@ class Pod(FakePodman):
     """FakePodman whose "other" image ships other_mod."""
 
     def extract(self, ref: str, path: str, dest: Path, patterns: Any = (), **kw: Any) -> list[Path]:
-        if "kvcd-other-" not in ref:
+        if "kvcd/other/" not in ref:
             return super().extract(ref, path, dest, patterns)
         dest.mkdir(parents=True)
         (dest / "other_mod.ko").write_bytes(f"other_mod {ref}".encode())
@@ -120,7 +120,7 @@ def test_purge_removes_everything_of_one_instance_and_nothing_else(host: HostRoo
     assert not [k for k in ann if k.startswith("kvcd.io/e2e.")]
     assert ann["kvcd.io/other.state"] == "Done" and ann["kvcd.io/version.e2e"] == "1.0"
     assert ann["kvcd.io/drain"] == "Drain_Required"  # other's claim still stands
-    assert [i.tags for i in pod.images.values()] == [(f"localhost/kvcd-other-3.0:{K}",)]
+    assert [i.tags for i in pod.images.values()] == [(f"localhost/kvcd/other/3.0:{K}",)]
     assert host("/etc/kvcd/instances/e2e.toml").exists()  # the admin's config stays
 
 

@@ -17,7 +17,7 @@ from kvcd.daemon.store import Manifest, StoredModule
 GOOD: dict[str, Any] = {
     "version": "1.0",
     "kernel": "6.1.0-56-amd64",
-    "image": "localhost/kvcd-e2e-1.0:6.1.0-56-amd64",
+    "image": "localhost/kvcd/e2e/1.0:6.1.0-56-amd64",
     "modules": {
         "kvcd_base": {
             "file": "kvcd_base.ko",

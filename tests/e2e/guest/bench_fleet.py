@@ -83,7 +83,7 @@ def cleanup() -> None:
     sh(["systemctl", "stop", *UNITS], check=False, timeout=BUILD_TIMEOUT)
     for mod in FLEET:
         (INSTANCES / f"{name(mod)}.toml").unlink(missing_ok=True)
-    images = "podman images --format '{{.Repository}}:{{.Tag}}' | grep /kvcd-fleet-"
+    images = "podman images --format '{{.Repository}}:{{.Tag}}' | grep /kvcd/fleet-"
     sh(["sh", "-c", f"{images} | xargs -r podman rmi -f"], check=False, timeout=600)
     shutil.rmtree(CONTEXT, ignore_errors=True)
 

@@ -68,7 +68,7 @@ def upgrade_from_scratch(current: str) -> str:
     Returns the version it is configured for now."""
     target = VERSIONS[0] if current == VERSIONS[1] else VERSIONS[1]
     sh(["systemctl", "stop", UNIT], timeout=600)
-    sh(["podman", "rmi", "--force", f"localhost/kvcd-{INSTANCE}-{target}:{KVER1}"], check=False)
+    sh(["podman", "rmi", "--force", f"localhost/kvcd/{INSTANCE}/{target}:{KVER1}"], check=False)
     for tree in (STATE / "store" / INSTANCE / target).glob("*"):
         sh(["rm", "-rf", str(tree)])
     set_instance(version=target, **{"build.containerfile": containerfile(target)})

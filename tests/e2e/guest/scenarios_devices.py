@@ -113,7 +113,7 @@ def test_g2_absent_device_stays_idle() -> None:
     assert (st["state"], st["reason"]) == ("Done", "no device"), st
     assert "kvcd_base" not in proc_modules()
     images = sh(["podman", "images", "--format", "{{.Repository}}"], timeout=120).stdout
-    assert "kvcd-e2e-nodev" not in images, "an idle instance built its image"
+    assert "localhost/kvcd/e2e-nodev/" not in images, "an idle instance built its image"
     # udev replays "add" for every PCI device: none matches, nothing changes.
     sh(["udevadm", "trigger", "--action=add", "--subsystem-match=pci"], timeout=60)
     sh(["udevadm", "settle", "--timeout=60"], timeout=90)

@@ -161,7 +161,7 @@ def _running_and_done() -> Iterator[None]:
 
 def forget_version(version: str) -> None:
     """No image and no extracted tree of `version`: moving to it needs podman."""
-    sh(["podman", "rmi", "--force", f"localhost/kvcd-{INSTANCE}-{version}:{KVER}"], check=False)
+    sh(["podman", "rmi", "--force", f"localhost/kvcd/{INSTANCE}/{version}:{KVER}"], check=False)
     sh(["rm", "-rf", str(STATE / "store" / INSTANCE / version)])
 
 

@@ -225,7 +225,7 @@ def test_r4_pinned_archive_needs_no_registry() -> None:
     save("2.0", ARCHIVES / f"{NAME}-2.0-{KVER}.tar")
     write_instance("2.0", image_archive=f"{ARCHIVES}/{NAME}-{{version}}-{{kernel}}.tar")
     out = sh(["kvcd", "check-config", NAME, "--kernel", KVER]).stdout
-    assert f"load {ARCHIVES}/{NAME}-2.0-{KVER}.tar as localhost/kvcd-{NAME}-2.0:" in out, out
+    assert f"load {ARCHIVES}/{NAME}-2.0-{KVER}.tar as localhost/kvcd/{NAME}/2.0:" in out, out
     since = now()
     sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
     done_at("2.0")
@@ -237,7 +237,7 @@ def test_r5_image_import_for_a_registry_that_is_down() -> None:
     save("2.1", archive)
     pulled_from_registry("2.1")  # the registry is stopped (r4): a pull cannot succeed
     out = sh(["kvcd", "image", "import", NAME, str(archive)]).stdout
-    assert f"is localhost/kvcd-{NAME}-2.1:" in out and f"kvcd@{NAME} 2.1 on {KVER}" in out, out
+    assert f"is localhost/kvcd/{NAME}/2.1:" in out and f"kvcd@{NAME} 2.1 on {KVER}" in out, out
     since = now()
     sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
     done_at("2.1")
