@@ -144,10 +144,7 @@ def _module(info: object) -> StoredModule | None:
 
 def digest(path: Path) -> str:
     """The sha256 of a module file kvcd extracted (never a FIFO: files.open_regular)."""
-    import hashlib
-
-    with files.open_regular(path) as handle:
-        return hashlib.sha256(handle.read()).hexdigest()
+    return files.sha256_regular(str(path), bytearray(1 << 16))[0]
 
 
 def tree(root: HostRoot, instance: str, version: str, kernel: str) -> Path:

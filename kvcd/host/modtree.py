@@ -254,12 +254,16 @@ def _writable(path: Path) -> Iterator[None]:
 
 
 def _installed_from(directory: Path) -> Path:
-    try:
-        text = (directory / STORE_MARKER).read_text().strip()
-    except FileNotFoundError:
+    marker = directory / STORE_MARKER
+    try:  # a path: read no more than one can be, and never through a link
+        raw = files.read_bytes(marker, limit=os.pathconf("/", "PC_PATH_MAX"))
+        text = raw.decode(errors="replace").strip() if raw is not None else None
+    except files.FileError as exc:
+        raise KmodError(f"{exc}; kvcd does not touch {directory}") from None
+    if text is None:
         raise KmodError(
             f"{directory} was not installed by kvcd (no {STORE_MARKER}); kvcd does not touch it"
-        ) from None
+        )
     return Path(text)
 
 

@@ -1481,3 +1481,40 @@ def test_a_missing_udev_library_is_not_a_capability_turned_off(host: HostRoot) -
     Rig.monitors.append(mon)
     with pytest.raises(ModuleNotFoundError):
         mon.start(Context(host, NAME, K, settings, cfg, lambda _e: None))
+
+
+def _marker_link(r: Rig) -> None:
+    """A link to a file that names the real store tree: read through, it would pass."""
+    naming = r.root("/tmp/naming")
+    naming.parent.mkdir(parents=True, exist_ok=True)
+    naming.write_text(f"{r.tree}\n")
+    marker = _installed(r) / modtree.STORE_MARKER
+    marker.unlink()
+    marker.symlink_to(naming)
+
+
+def _marker_fifo(r: Rig) -> None:
+    marker = _installed(r) / modtree.STORE_MARKER
+    marker.unlink()
+    os.mkfifo(marker)  # read as it was, with no writer: kvcd would hang
+
+
+def _marker_huge(r: Rig) -> None:
+    with (_installed(r) / modtree.STORE_MARKER).open("r+b") as fh:
+        fh.truncate(1 << 30)  # sparse: read whole, a gigabyte in memory
+
+
+@pytest.mark.parametrize(
+    ("mutate", "says"),
+    [(_marker_link, "is a symlink"), (_marker_fifo, "is a FIFO"), (_marker_huge, "is larger than")],
+    ids=["symlink", "fifo", "huge"],
+)
+def test_a_store_marker_kvcd_did_not_write_is_refused_without_reading_through_it(
+    system_host: HostRoot, mutate: Callable[[Rig], None], says: str
+) -> None:
+    r = Rig(system_host)
+    mutate(r)
+    with pytest.raises(StepFailed) as exc:
+        r.inst.plan("load")
+    assert exc.value.code == state.INSTALL_FAILED, exc.value
+    assert says in exc.value.detail and "kvcd does not touch" in exc.value.detail, exc.value
