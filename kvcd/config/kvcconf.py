@@ -5,7 +5,7 @@ and refuses: docs/internals.md "KVC confs as data".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcd.config.model import ConfigError
@@ -28,6 +28,9 @@ class Assignment:
     value: str
     line: int
     words: tuple[str, ...] | None = None  # set for an array; value is then the words joined
+    # `export NAME=…`, or `export NAME` anywhere in the file: bash passes it on to the programs
+    # the hook runs. Any other assignment is a shell variable only, as when KVC sourced the conf.
+    exported: bool = False
 
 
 def parse_assignments(
@@ -57,6 +60,7 @@ class _Lexer:
         self.arrays: set[str] = set()
         self.runtime_only = runtime_only
         self.assigning = ""  # the variable whose value is being read
+        self.exports: set[str] = set()  # names an `export` line names
         self.expanded = 0  # characters expanded into that value so far
         self.expanded_total = 0  # ... and into every value of the file
 
@@ -117,7 +121,7 @@ class _Lexer:
                     "(in shell this would run a command)"
                 )
             self.skip_comment_and_newline()
-        return out
+        return [replace(a, exported=True) if a.name in self.exports else a for a in out]
 
     def continuation(self) -> ConfigError:
         return self.fail(
@@ -126,7 +130,7 @@ class _Lexer:
         )
 
     def assignment(self) -> Assignment | None:
-        """One assignment; None for ``export NAME`` alone (it changes no value)."""
+        """One assignment; None for ``export NAME`` alone (it only marks NAME exported)."""
         line = self.line
         start = self.pos
         name = self.name()
@@ -137,6 +141,7 @@ class _Lexer:
                 return None
             self.pos = after_export
             name = self.name()
+            self.exports.add(name)
         if not name or self.peek() != "=":
             if name and self.peek() == "+" and self.peek(1) == "=":
                 raise self.fail(f"'{name}+=' (appending) is not supported: assign the whole value")
@@ -169,13 +174,17 @@ class _Lexer:
         return value
 
     def export_names_only(self) -> bool:
-        """Consume ``NAME [NAME...]`` after ``export``; False if that is not the whole line."""
+        """Consume ``NAME [NAME...]`` after ``export`` and note them exported; False if that
+        is not the whole line."""
+        names = []
         while True:
             name = self.name()
             if not name or not (self.at_end_of_statement() or self.peek() in _BLANK):
                 return False
+            names.append(name)
             self.skip_blanks()
             if self.at_end_of_statement():
+                self.exports.update(names)
                 return True
 
     def name(self) -> str:

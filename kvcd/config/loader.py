@@ -404,6 +404,14 @@ def _kvc_instance(name: str, path: Path, text: str) -> InstanceConfig:
                 "kvcd refuses it",
                 a.line,
             )
+        if a.exported and variable.startswith(rules.EXPORT_REFUSED_PREFIXES):
+            raise ConfigError(
+                path,
+                f"'export {variable}' would hand the programs the hooks run (git, podman …) "
+                "what to run or which configuration to read; kvcd refuses it (unexported, it "
+                "is the library's variable only)",
+                a.line,
+            )
         if "\0" in a.value:
             raise ConfigError(path, f"'{variable}' must not contain NUL", a.line)
         if variable == "KVC_CONTAINER_RUNTIME" and a.value != "podman":  # hooks get podman
@@ -416,5 +424,6 @@ def _kvc_instance(name: str, path: Path, text: str) -> InstanceConfig:
         modules=tuple(ModuleSpec(n) for n in names),
         build=BuildSource(context=context, containerfile=containerfile),
         kvc_env=tuple(env),
+        kvc_exported=tuple(sorted(n for n, a in last.items() if a.exported)),
         format="kvc",
     )

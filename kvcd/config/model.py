@@ -100,8 +100,10 @@ class InstanceConfig:
     wrapper_args: tuple[str, ...] = ()
     # KVC compatibility: the root-owned hook library, when the instance has one.
     kvc_lib: Path | None = None
-    # Other assignments of a KVC .conf, handed to the hooks' environment as data.
+    # Other assignments of a KVC .conf, handed to the hooks as data: shell variables of the
+    # library, passed on to the programs it runs only when the .conf exports them.
     kvc_env: tuple[tuple[str, str], ...] = ()
+    kvc_exported: tuple[str, ...] = ()  # the .conf's variables it exports
     format: str = "toml"  # "toml" or "kvc"
     # Image variants (GEP-33) and the preference table that orders capability values; the
     # daemon picks one variant for the node (kvcd/daemon/observe.py resolve_variant), which

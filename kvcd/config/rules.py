@@ -131,6 +131,23 @@ ENV_REFUSED = frozenset(
     }
 )
 ENV_REFUSED_PREFIXES = ("LD_", "BASH_FUNC_", "PYTHON")
+# What an exported KVC variable may not be: the environment of git, podman, perl … that says
+# what to run or which configuration to read (GIT_CONFIG_*, GIT_SSH_COMMAND, CONTAINERS_CONF).
+EXPORT_REFUSED_PREFIXES = (
+    "GIT_",
+    "CONTAINERS_",
+    "REGISTRY_AUTH_FILE",
+    "DOCKER_",
+    "XDG_",
+    "PERL",
+    "RUBY",
+    "NODE_",
+    "SSH_",
+    "GNUPG",
+    "OPENSSL_",
+    "SSL_",
+    "HOME",
+)
 
 MAX_CONFIG_BYTES = 1 << 20
 UNSAFE = "it decides what runs in the kernel"

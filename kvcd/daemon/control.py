@@ -139,7 +139,8 @@ def wrapper(
     from kvcd.host.run import CommandError, run_inherit
 
     if cfg.kvc_lib is not None:
-        return hooks.wrapper(cfg.kvc_lib, command, hooks.hook_env(cfg.name, kernel, cfg.kvc_vars()))
+        env = hooks.hook_env(cfg.name, kernel, cfg.kvc_vars(), cfg.kvc_exported)
+        return hooks.wrapper(cfg.kvc_lib, command, env)
     if not command:
         print("kvcd: wrapper needs a command to run", file=sys.stderr)
         return 2

@@ -338,7 +338,8 @@ class Executor:
 
     def _hook(self, function: str) -> None:
         assert self.cfg.kvc_lib is not None
-        variables = hooks.hook_vars(self.cfg.name, self.d.kernel, self.cfg.kvc_vars())
+        cfg = self.cfg
+        variables = hooks.hook_vars(cfg.name, self.d.kernel, cfg.kvc_vars(), cfg.kvc_exported)
         # Run as kvcd@NAME.service (sandboxed, see the unit): the hook gets a unit of its own.
         unit = None
         if procs.own_unit() == f"kvcd@{self.cfg.name}.service":

@@ -1,13 +1,16 @@
 """KVC instance libraries (`<name>-lib.sh`): the one place kvcd runs code an admin wrote.
 
 The library is root-owned code (checked by the config loader); the instance's .conf values reach
-it only as environment data. Calls go through bash with a fixed script shipped inside kvcd.
+it only as environment data. Calls go through bash with a fixed script shipped inside kvcd,
+which makes each .conf variable the .conf does not export a plain shell variable again before
+the library is sourced: as when KVC sourced the .conf, git, podman and the other programs the
+library runs do not see it (KVCD_UNEXPORT names them).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -21,11 +24,18 @@ def _runner() -> str:
 
 
 def hook_vars(
-    instance: str, kernel: str, conf_vars: Sequence[tuple[str, str]], runtime: str = "podman"
+    instance: str,
+    kernel: str,
+    conf_vars: Sequence[tuple[str, str]],
+    exported: Collection[str] = (),
+    runtime: str = "podman",
 ) -> dict[str, str]:
-    """What a library reads: the instance .conf's variables, then KVC's own."""
+    """What a library reads: the instance .conf's variables, then KVC's own; the .conf's
+    variables not in `exported` are the library's alone (KVCD_UNEXPORT)."""
+    conf = dict(conf_vars)
     return {
-        **dict(conf_vars),
+        **conf,
+        "KVCD_UNEXPORT": " ".join(n for n in conf if n not in exported),
         "KVC_SOFTWARE_NAME": instance,
         "KVC_KVER": kernel,
         "KVC_CONTAINER_RUNTIME": runtime,
@@ -33,9 +43,13 @@ def hook_vars(
 
 
 def hook_env(
-    instance: str, kernel: str, conf_vars: Sequence[tuple[str, str]], runtime: str = "podman"
+    instance: str,
+    kernel: str,
+    conf_vars: Sequence[tuple[str, str]],
+    exported: Collection[str] = (),
+    runtime: str = "podman",
 ) -> dict[str, str]:
-    return {**os.environ, **hook_vars(instance, kernel, conf_vars, runtime)}
+    return {**os.environ, **hook_vars(instance, kernel, conf_vars, exported, runtime)}
 
 
 def call(

@@ -4,7 +4,8 @@
 # argv: LIBRARY FUNCTION [ARGS...]. kvcd passes everything as argv and environment; nothing here
 # is built from a config value. The library is sourced exactly as kmods-via-containers did, with
 # the same helpers and variables defined first, so existing libraries run unchanged:
-#   KVC_SOFTWARE_NAME, KVC_KVER, KVC_CONTAINER_RUNTIME, and the instance .conf's variables.
+#   KVC_SOFTWARE_NAME, KVC_KVER, KVC_CONTAINER_RUNTIME, and the instance .conf's variables
+#   (exported to what the library runs only when the .conf exports them).
 set -eu
 
 kvc_library=$1
@@ -23,6 +24,14 @@ build_kmods()  { kvc_unimplemented build_kmods; }
 load_kmods()   { kvc_unimplemented load_kmods; }
 unload_kmods() { kvc_unimplemented unload_kmods; }
 wrapper()      { kvc_unimplemented wrapper; }
+
+# The instance .conf's variables came in the environment, the only way in. KVC sourced the
+# .conf, so they were the library's shell variables, never seen by the programs it runs: make
+# them so again (export -n), but for those the .conf itself exports.
+for kvc_name in ${KVCD_UNEXPORT-}; do
+    export -n "$kvc_name"
+done
+unset KVCD_UNEXPORT kvc_name
 
 # shellcheck source=/dev/null
 source "$kvc_library"

@@ -109,3 +109,47 @@ def test_own_unit_is_read_from_the_unified_cgroup(
     path.write_text(cgroup)
     assert procs.own_unit(path) == unit
     assert procs.own_unit(tmp_path / "absent") is None
+
+
+# A conf as KVC had it: sourced without `set -a`, its variables were the library's shell
+# variables; a program the library runs saw only what the conf exported.
+CONF = """\
+KMOD_CONTAINER_BUILD_CONTEXT="https://example.invalid/simple-kmod.git"
+KMOD_SOFTWARE_VERSION=dd1a7d4
+KMOD_NAMES="simple-kmod"
+GIT_CONFIG_COUNT=1
+GIT_CONFIG_KEY_0=protocol.ext.allow
+GIT_CONFIG_VALUE_0=always
+NOTE="a note"
+export SHOWN=shown
+LATER=later
+export LATER
+"""
+
+SEEN = r"""
+load_kmods() {
+    echo "library: NOTE=$NOTE KMOD_NAMES=$KMOD_NAMES"
+    echo "git: $(git config --get protocol.ext.allow || echo unset)"
+    sh -c 'echo "child: NOTE=${NOTE-unset} KMOD_NAMES=${KMOD_NAMES-unset} SHOWN=${SHOWN-unset}"'
+    sh -c 'echo "child: LATER=${LATER-unset} KVC_KVER=${KVC_KVER-unset}"'
+}
+"""
+
+
+@pytest.mark.parametrize("unit", [None, "kvcd-hook-drv-3.service"], ids=["inline", "unit"])
+def test_a_conf_variable_reaches_the_library_and_a_program_only_when_exported(
+    lib: Path, tmp_path: Path, unit: str | None
+) -> None:
+    from kvcd.config.loader import parse_kvc_conf
+
+    cfg = parse_kvc_conf("drv", tmp_path / "drv.conf", CONF)
+    assert cfg.kvc_exported == ("LATER", "SHOWN")
+    lib.write_text(SEEN)
+    variables = hooks.hook_vars("drv", "6.1.0-56-amd64", cfg.kvc_vars(), cfg.kvc_exported)
+    done = hooks.call(lib, "load_kmods", variables, unit=unit)
+    assert done.stdout.splitlines() == [
+        "library: NOTE=a note KMOD_NAMES=simple-kmod",
+        "git: unset",  # exported, GIT_CONFIG_* would have let a clone run `ext::` commands
+        "child: NOTE=unset KMOD_NAMES=unset SHOWN=shown",
+        "child: LATER=later KVC_KVER=6.1.0-56-amd64",
+    ]

@@ -63,6 +63,7 @@ def test_kvc_simple_parses_to_exact_instance() -> None:
         wrapper_args=(),
         kvc_lib=None,
         kvc_env=(("FOO", "bar baz"),),
+        kvc_exported=("FOO",),
         format="kvc",
     )
 
@@ -114,12 +115,29 @@ def test_later_assignment_wins_and_expands_earlier_value() -> None:
 
 
 def test_assignment_lines() -> None:
-    text = doc("# c", "A=1", "", "export B='x", "y'", "C=(p q)")
+    text = doc("# c", "A=1", "", "export B='x", "y'", "C=(p q)", "export C D")
     assert parse_assignments(SRC, text) == [
         Assignment("A", "1", 2),
-        Assignment("B", "x\ny", 4),
-        Assignment("C", "p q", 6, ("p", "q")),
+        Assignment("B", "x\ny", 4, exported=True),
+        Assignment("C", "p q", 6, ("p", "q"), exported=True),
     ]
+
+
+@pytest.mark.parametrize(
+    ("lines", "exported"),
+    [
+        (("GIT_CONFIG_COUNT=1", "NOTE=x"), ()),  # KVC sourced the conf: shell variables only
+        (("export NOTE=x",), ("NOTE",)),
+        (("NOTE=x", "export NOTE"), ("NOTE",)),
+        (("export NOTE", "NOTE=x"), ("NOTE",)),  # bash: the export stays on NOTE
+        (("export KMOD_SOFTWARE_VERSION",), ("KMOD_SOFTWARE_VERSION",)),
+        (("export UNSET",), ()),  # exports nothing the hooks get
+    ],
+)
+def test_only_what_the_conf_exports_is_exported(
+    lines: tuple[str, ...], exported: tuple[str, ...]
+) -> None:
+    assert parse_kvc_conf("x", SRC, doc(*HEAD, *lines)).kvc_exported == exported
 
 
 # --- bad confs: (id, text, line, exact message fragment) -----------------------------------
@@ -305,6 +323,24 @@ BAD_KVC = [
     ),
     ("path", doc(*HEAD, "PATH=/tmp"), 4, "'PATH' would change how the hooks run"),
     ("bash-env", doc(*HEAD, "BASH_ENV=/tmp/x"), 4, "'BASH_ENV' would change how the hooks run"),
+    (
+        "export-git-config",
+        doc(*HEAD, "export GIT_CONFIG_COUNT=1"),
+        4,
+        "'export GIT_CONFIG_COUNT' would hand the programs the hooks run",
+    ),
+    (
+        "export-later-git-ssh",
+        doc(*HEAD, "GIT_SSH_COMMAND='sh -c id'", "export GIT_SSH_COMMAND"),
+        4,
+        "'export GIT_SSH_COMMAND' would hand the programs the hooks run",
+    ),
+    (
+        "export-containers-conf",
+        doc(*HEAD, "export CONTAINERS_CONF=/tmp/c.conf"),
+        4,
+        "'export CONTAINERS_CONF' would hand the programs the hooks run",
+    ),
 ]
 
 # Rows that carry a command: each must be refused, and the marker file must never appear.
