@@ -336,9 +336,31 @@ class Executor:
                     state.VERIFY_FAILED, f"{name} is still in /sys/module after unloading"
                 )
 
+    def _conf_as_read(self) -> None:
+        """A stock KVC library sources the instance's .conf itself (simple-kmod-lib.sh:
+        `source "/etc/kvc/${KVC_SOFTWARE_NAME}.conf"`), so bash runs the file as it is when the
+        hook runs: it must still be the file kvcd read and checked as data."""
+        from kvcd.config.loader import parse_kvc_conf, read_file
+        from kvcd.config.model import ConfigError
+
+        cfg = self.cfg
+        if cfg.format != "kvc":
+            return
+        try:
+            now = parse_kvc_conf(cfg.name, cfg.source, read_file(cfg.source))
+        except ConfigError as exc:
+            raise StepFailed(state.CONFIG_INVALID, str(exc)) from exc
+        if (now.kvc_vars(), now.kvc_exported) != (cfg.kvc_vars(), cfg.kvc_exported):
+            raise StepFailed(
+                state.CONFIG_INVALID,
+                f"{cfg.source} changed since kvcd read it, and the library may source it: "
+                f"`systemctl reload kvcd@{cfg.name}` reads it again",
+            )
+
     def _hook(self, function: str) -> None:
         assert self.cfg.kvc_lib is not None
         cfg = self.cfg
+        self._conf_as_read()
         variables = hooks.hook_vars(cfg.name, self.d.kernel, cfg.kvc_vars(), cfg.kvc_exported)
         # Run as kvcd@NAME.service (sandboxed, see the unit): the hook gets a unit of its own.
         unit = None

@@ -145,3 +145,23 @@ def test_conf_injection_is_refused_before_anything_runs(
     assert "simple-kmod.conf:7" in out.stderr
     assert not marker.exists()
     assert not (root.root / "hook.log").exists()
+
+
+def test_a_conf_changed_after_kvcd_read_it_is_refused_before_a_library_sources_it(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
+    """simple-kmod-lib.sh sources the conf itself: bash runs the file as it is when the hook
+    runs. Here something rewrites it between build_kmods and load_kmods."""
+    root, env = host
+    conf, marker = root.kvc_conf("simple-kmod"), root.root / "pwned"
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(
+        LIB.replace(
+            "type kvc_c_build >/dev/null",
+            f"echo 'X=\"$(touch {marker})\"' >> {conf}",
+        ).replace("load_kmods() {", f"load_kmods() {{\n    source {conf}")
+    )
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 1, out.stderr
+    assert f"ConfigInvalid: {conf}:7: command substitution" in out.stderr, out.stderr
+    assert not marker.exists()
