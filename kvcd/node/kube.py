@@ -31,12 +31,13 @@ from typing import Any
 
 from kvcd.core import nodeevents
 from kvcd.host import pylibs
-from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
+from kvcd.node.backend import Backend, Failing, NodeView, Patch, Unavailable, changes
 
 log = logging.getLogger(__name__)
 # A dropped connection or two is routine (debug); this many failures in a row are said once in
 # the journal at WARNING, and the recovery after them at INFO.
 WATCH_WARN_AFTER = 3
+RETRYING = "; retrying with back-off"
 
 RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 EVENTS_NAMESPACE = "default"
@@ -203,23 +204,14 @@ class KubeBackend(Backend):
         from kubernetes.client.exceptions import ApiException
 
         rv: str | None = None
-        failures = 0
-        said = False  # a failing watch was said in the journal (at WARNING): say its recovery
-
-        def working() -> None:  # the node read, or an event came: the watch works
-            nonlocal failures, said
-            failures = 0
-            if said:
-                log.info("node watch: working again")
-                said = False
-
+        # The node read, or an event came: the watch works (said when it was said to fail).
+        failing = Failing(log, "node watch", warn_after=WATCH_WARN_AFTER, then=RETRYING)
         while not self._stop.is_set():
-            why = ""
             try:
                 if rv is None:  # (re-)list: the current state and where to watch from
                     view = self.read()
                     rv = view.version
-                    working()
+                    failing.worked()
                     on_change(view)
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for ev in self._watch.stream(
@@ -238,10 +230,11 @@ class KubeBackend(Backend):
                             raise ApiException(status=410, reason="Gone")
                         raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                    working()
+                    failing.worked()
                     if ev.get("type") in ("ADDED", "MODIFIED"):
                         on_change(self._view(obj))
-                working()
+                failing.worked()
+                continue
             except ApiException as exc:
                 if exc.status == 410:
                     log.debug("node watch: 410 Gone, re-listing")
@@ -249,18 +242,12 @@ class KubeBackend(Backend):
                     continue
                 why = f"HTTP {exc.status} {exc.reason or ''}".rstrip()
                 # Refused credentials do not fix themselves: say so at once.
-                failures = max(failures + 1, WATCH_WARN_AFTER if exc.status in (401, 403) else 0)
+                failing.failed(why, at_once=exc.status in (401, 403))
             except Unavailable as exc:
-                failures, why = failures + 1, str(exc)
+                failing.failed(str(exc))
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
-                failures, why = failures + 1, f"{type(exc).__name__}: {exc}"
-            if failures:
-                if failures >= WATCH_WARN_AFTER and not said:
-                    log.warning("node watch: %s; retrying with back-off", why)
-                    said = True
-                else:
-                    log.debug("node watch: %s", why)
-                self._stop.wait(self._delay(min(failures - 1, 6)))
+                failing.failed(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self._delay(min(failing.failures - 1, 6)))
 
     def stop(self) -> None:
         self._stop.set()
