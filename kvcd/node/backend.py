@@ -44,6 +44,11 @@ class Unavailable(Exception):
     """The node store cannot be reached now (transient): keep everything, retry later."""
 
 
+class Refused(Unavailable):
+    """The node store refused kvcd's credentials or a permission (HTTP 401, 403): kept and
+    retried as any Unavailable, but it does not fix itself, so it is said at once."""
+
+
 class Backend(ABC):
     """One node object. `update` is the only write; it is atomic with respect to other writers."""
 

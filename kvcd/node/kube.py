@@ -8,7 +8,8 @@ node name comes from settings, $KVCD_NODE_NAME or the hostname (backend.node_nam
   read it was computed from: a concurrent writer (another `kvcd@` process on the node) makes it
   409 Conflict, and the update is recomputed from a fresh read. 429, 5xx and connection errors
   are retried with capped exponential backoff; when the attempts run out the call raises
-  `Unavailable` and the daemon keeps its modules and retries later.
+  `Unavailable` and the daemon keeps its modules and retries later. A 401 or 403 is not retried
+  here: `Refused` (an Unavailable) says which credentials or which RBAC permission it lacks.
 - Watch: list+watch of the one node (fieldSelector metadata.name) from the last resourceVersion;
   410 Gone -> re-list; dropped connections -> back off and resume.
 - Events: core/v1 Events about the Node in namespace "default", correlated as the kubelet does
@@ -31,7 +32,15 @@ from typing import Any
 
 from kvcd.core import nodeevents
 from kvcd.host import pylibs
-from kvcd.node.backend import Backend, Failing, NodeView, Patch, Unavailable, changes
+from kvcd.node.backend import (
+    Backend,
+    Failing,
+    NodeView,
+    Patch,
+    Refused,
+    Unavailable,
+    changes,
+)
 
 log = logging.getLogger(__name__)
 # A dropped connection or two is routine (debug); this many failures in a row are said once in
@@ -42,6 +51,19 @@ RETRYING = "; retrying with back-off"
 RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 EVENTS_NAMESPACE = "default"
 COMPONENT = "kvcd"
+_VERBS = {"GET": "get", "PATCH": "patch", "POST": "create"}  # a request's RBAC verb
+
+
+def refusal(status: int, verb: str, resource: str) -> str:
+    """What a 401 or 403 means, said with it: neither fixes itself ("" for other statuses)."""
+    if status == 401:
+        return " (the API server does not accept kvcd's credentials: its kubeconfig)"
+    if status == 403:
+        return (
+            f" (no permission: kvcd's RBAC does not let it {verb} {resource}; "
+            "packaging/kubernetes/rbac.yaml)"
+        )
+    return ""
 
 
 class KubeBackend(Backend):
@@ -125,7 +147,12 @@ class KubeBackend(Backend):
             except ApiException as exc:
                 if (exc.status == 409 and conflict_ok) or (exc.status == 404 and absent_ok):
                     return None
-                last = f"{what}: HTTP {exc.status} {exc.reason}"
+                method, _, rest = what.partition(" ")  # "POST event", "PATCH node <name>"
+                last = f"{what}: HTTP {exc.status} {exc.reason}" + refusal(
+                    exc.status, _VERBS.get(method, method.lower()), rest.partition(" ")[0] + "s"
+                )
+                if exc.status in (401, 403):
+                    raise Refused(last) from None
                 if exc.status not in RETRY_STATUS:
                     raise Unavailable(last) from None
             except (HTTPError, OSError) as exc:
@@ -242,9 +269,10 @@ class KubeBackend(Backend):
                     continue
                 why = f"HTTP {exc.status} {exc.reason or ''}".rstrip()
                 # Refused credentials do not fix themselves: say so at once.
-                failing.failed(why, at_once=exc.status in (401, 403))
+                refused = exc.status in (401, 403)
+                failing.failed(why + refusal(exc.status, "watch", "nodes"), at_once=refused)
             except Unavailable as exc:
-                failing.failed(str(exc))
+                failing.failed(str(exc), at_once=isinstance(exc, Refused))
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
                 failing.failed(f"{type(exc).__name__}: {exc}")
             self._stop.wait(self._delay(min(failing.failures - 1, 6)))

@@ -127,6 +127,8 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                 self._status(
                     int(f),
                     {
+                        401: "Unauthorized",
+                        403: "Forbidden",
                         409: "Conflict",
                         429: "TooManyRequests",
                         500: "InternalError",
@@ -488,18 +490,29 @@ def test_watch_follows_changes_relists_on_410_and_resumes_after_drops(
     assert watch_rvs[-1] >= api.compacted
 
 
+PERMISSION = "(no permission: kvcd's RBAC does not let it"
+
+
 @pytest.mark.parametrize(
-    ("faults", "warned"),
+    ("kind", "faults", "warned"),
     [
-        (["drop", 500], None),  # routine: debug only
-        ([500, 500, 500, 500], "node watch: HTTP 500"),  # WATCH_WARN_AFTER in a row
-        ([403], "node watch: HTTP 403"),  # refused credentials: at once
+        ("WATCH", ["drop", 500], None),  # routine: debug only
+        ("WATCH", [500, 500, 500, 500], "node watch: HTTP 500"),  # WATCH_WARN_AFTER in a row
+        # Refused credentials or permissions: at once, and called so.
+        ("WATCH", [403], f"node watch: HTTP 403 Forbidden {PERMISSION} watch nodes;"),
+        (
+            "GET node",
+            [403],
+            f"node watch: GET node {NODE}: HTTP 403 Forbidden {PERMISSION} get nodes;",
+        ),
     ],
+    ids=["drops-debug", "500s-after-3", "403-watch-at-once", "403-read-at-once"],
 )
 def test_a_failing_watch_is_said_once_and_its_recovery_too(
     api: FakeAPI,
     backend: Any,
     caplog: pytest.LogCaptureFixture,
+    kind: str,
     faults: list[Any],
     warned: str | None,
 ) -> None:
@@ -508,9 +521,9 @@ def test_a_failing_watch_is_said_once_and_its_recovery_too(
     be, _ = backend
     caplog.set_level(logging.DEBUG, logger="kvcd.node.kube")
     seen = threading.Event()
-    api.faults["WATCH"] = list(faults)
+    api.faults[kind] = list(faults)
     be.watch(lambda v: seen.set() if v.labels.get("kvcd.io/version.nic") == "1" else None)
-    assert until(lambda: not api.faults["WATCH"] and api.watching == 1)
+    assert until(lambda: not api.faults[kind] and api.watching == 1)
     api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "1"}))
     assert seen.wait(timeout=30)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
