@@ -662,6 +662,71 @@ def test_reporter_publishes_and_posts_an_event_per_state_change(
         rep.stop()
 
 
+POSTS = [
+    # (case, what the Event POSTs get, the WARNING's start, what it names)
+    ("posted: nothing said", [], None, ""),
+    (
+        "no RBAC for events: said once, as a permission",
+        [403, 403],
+        "node events: ModulesLoaded not posted: POST event: HTTP 403 Forbidden",
+        "no permission: kvcd's RBAC does not let it create events",
+    ),
+    (
+        "the API server fails: said once",
+        [500, 500],
+        "node events: ModulesLoaded not posted: POST event: HTTP 500",
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "faults", "warned", "names"), POSTS, ids=[p[0] for p in POSTS])
+def test_a_failing_event_post_is_said_once_and_its_recovery_too(
+    api: FakeAPI,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    faults: list[int],
+    warned: str | None,
+    names: str,
+) -> None:
+    """A node whose RBAC lacks `create events` never gets kvcd's Events: the journal says so at
+    WARNING on the first failed post (not at debug only, not on every post), and at INFO when
+    a post works again."""
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(
+            NODE, kubeconfig=settings.kubeconfig, attempts=1, sleep=lambda _d: None
+        ),
+    )
+    rep = Reporter(link)
+    c = ctx(tmp_path, settings)
+    caplog.set_level(logging.DEBUG, logger="kvcd.daemon.report")
+    api.faults["POST event"] = list(faults)
+    rep.start(c)
+    try:
+        done = Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b")
+        rep.after(c, done)  # ModulesLoaded
+        rep.after(c, Record("nic", "Degraded", "LoadFailed", "x", version="1.0", boot_id="b"))
+        assert not api.faults["POST event"]
+        rep.after(c, done)  # ModulesLoaded again: posted
+    finally:
+        rep.stop()
+    assert "ModulesLoaded" in [e["reason"] for e in api.stored.values()]
+    assert api.node["metadata"]["annotations"]["kvcd.io/nic.state"] == "Done"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    if warned is None:
+        assert warnings == [] and "node events: posted again" not in infos
+        return
+    assert len(warnings) == 1 and warnings[0].startswith(warned), warnings
+    assert names in warnings[0]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("LoadFailed not posted" in m for m in debug), debug  # the second: debug only
+    assert infos.count("node events: posted again") == 1, infos
+
+
 def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:
     """API server down from the start: the ordered-upgrade verdict holds (never unloads) and the
     reporter schedules a retry instead of failing the instance."""
