@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
 from kvcd.core.actions import AcquireImage, Extract
-from kvcd.core.ahead import FAILED, NONE, PREPARING, READY, Outcome
+from kvcd.core.ahead import FAILED, NONE, PREPARING, READY, Outcome, not_held
 from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
 from kvcd.daemon import imagelabels, metrics, storegc
@@ -119,6 +119,9 @@ class NextKernel(Extension):
         self.settings = settings
         # inhibit_reboot: a shutdown inhibitor held while the next kernel failed.
         self.inhibitor = inhibitor or (Inhibitor() if settings.inhibit_reboot else None)
+        # Why the reboot is not held while it should be ("": held, or nothing to hold), and
+        # the last error taking the lock (said once in the journal; each look tries again).
+        self.unheld = self.inhibit_error = ""
         self.detector = detector
         self.podman = podman or _default_podman(settings)
         self.watch_factory = watch
@@ -228,13 +231,18 @@ class NextKernel(Extension):
         record = Record.read(ctx.root, ctx.name)
         if record is None:  # not even started once: nothing to prepare for yet
             return
-        before = self.outcome
+        before = (self.outcome, self.unheld)
         self.outcome = self.refresh(ctx, record)
         self.collect(ctx)
-        self.write(ctx, record, self.outcome)
         self.hold_reboot(ctx, self.outcome)
-        if self.outcome != before:
+        self.write(ctx, record, self.recorded(self.outcome))
+        if (self.outcome, self.unheld) != before:
             ctx.post(Event(SOURCE, f"next kernel {self.outcome.kernel or 'none'}"))
+
+    def recorded(self, outcome: Outcome) -> Outcome:
+        """The outcome as the record (and so `kvcd status` and the node) carries it: a failure
+        whose reboot inhibit_reboot could not hold says so."""
+        return not_held(outcome, self.unheld) if self.unheld else outcome
 
     def hold_reboot(self, ctx: Context, outcome: Outcome) -> None:
         """inhibit_reboot: hold the reboot while the next kernel failed, let go otherwise."""
@@ -242,6 +250,7 @@ class NextKernel(Extension):
             return
         fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name, "KVCD_NEXT_KERNEL": outcome.kernel}
         if outcome.state != FAILED:
+            self.unheld = self.inhibit_error = ""
             if self.inhibitor.release():
                 log.info("reboot no longer held: next kernel %s", outcome.state, extra=fields)
             return
@@ -255,13 +264,19 @@ class NextKernel(Extension):
                     outcome.kernel,
                     extra=fields,
                 )
+            self.unheld = self.inhibit_error = ""
         except InhibitError as exc:
-            log.error("cannot hold the reboot into %s: %s", outcome.kernel, exc, extra=fields)
+            if str(exc) != self.inhibit_error:
+                log.error("cannot hold the reboot into %s: %s", outcome.kernel, exc, extra=fields)
+            self.inhibit_error = str(exc)
+            # The record says so as long as it lasts; a lock taken before with an older reason
+            # still holds the reboot.
+            self.unheld = "" if self.inhibitor.held else str(exc)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         """The record the other hooks see (and the node gets) carries the last outcome."""
         if self.outcome is not None:
-            self.write(ctx, record, self.outcome)
+            self.write(ctx, record, self.recorded(self.outcome))
         elif record.next_kernel == ctx.kernel:  # recorded before the reboot into it: done
             self.write(ctx, record, NONE)
         return None  # the next kernel never changes the running instance's state

@@ -9,7 +9,7 @@ only forwards; every decision happens on the main thread in verdict/after.
 node annotations (`<p>/<stem>.state|reason|version|kernel|next-kernel|boot-id`, plus keys other
 extensions queue in `link.extra`, e.g. `.ready`), the node-wide OS-update gate when its
 next-kernel value changes (label `<p>/upgradeable`, annotation `<p>/upgradeable-reason`), and a
-node Event on each state change. When
+node Event on each state change (a post that fails is said once at WARNING). When
 the node cannot be reached it keeps everything as it is and retries on a timer: an instance never
 unloads because it cannot report.
 """
@@ -31,6 +31,7 @@ from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.node.backend import (
     Backend,
+    Failing,
     NodeView,
     NodeWriter,
     Unavailable,
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 RETRY_FIRST = 2.0
 RETRY_CAP = 60.0
+UNTIL_POSTED = "; further failures at debug until one is posted"
 
 
 class NodeLink:
@@ -147,6 +149,9 @@ class Reporter(Extension):
         self._attempt = 0
         self._since: float | None = None  # when the node became unreachable (None: it is not)
         self._gated: tuple[str | None] | None = None  # the next-kernel value the gate last saw
+        # Event posts that fail (no RBAC for events, the API server's errors): said once at
+        # WARNING, the next post that works at INFO; the node's annotations do not wait on them.
+        self._posts = Failing(log, "node events", then=UNTIL_POSTED, again="posted again")
 
     def start(self, ctx: Context) -> None:
         self._ctx = ctx
@@ -232,7 +237,9 @@ class Reporter(Extension):
                 try:
                     self.link.backend.event(ev.reason, ev.message, warning=ev.warning)
                 except Unavailable as exc:
-                    log.debug("node event not posted: %s", exc, extra=ctx.fields)
+                    self._posts.failed(f"{ev.reason} not posted: {exc}", extra=ctx.fields)
+                else:
+                    self._posts.worked(extra=ctx.fields)
         self._published = now
         return None
 

@@ -44,6 +44,11 @@ class Unavailable(Exception):
     """The node store cannot be reached now (transient): keep everything, retry later."""
 
 
+class Refused(Unavailable):
+    """The node store refused kvcd's credentials or a permission (HTTP 401, 403): kept and
+    retried as any Unavailable, but it does not fix itself, so it is said at once."""
+
+
 class Backend(ABC):
     """One node object. `update` is the only write; it is atomic with respect to other writers."""
 
@@ -94,6 +99,44 @@ def changes(current: Mapping[str, str], patch: Patch) -> dict[str, str | None]:
         if current.get(key) != value:
             out[key] = value
     return out
+
+
+class Failing:
+    """A call to the node store that may keep failing (the watch, Event posts), said once in
+    the journal: at WARNING when `warn_after` failures in a row are reached (at once for one
+    that does not fix itself, such as a refused permission), naming the last error, then at
+    debug; its first success after that at INFO. Other failures are debug: a dropped connection
+    is routine. Used by one thread at a time (the watch's, or the main thread)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        warn_after: int = 1,
+        then: str = "",
+        again: str = "working again",
+    ) -> None:
+        self.log, self.what, self.warn_after = logger, what, warn_after
+        self.then, self.again = then, again  # the WARNING's tail; the INFO's text
+        self.failures = 0  # in a row
+        self.said = False  # at WARNING: the recovery is said too
+
+    def failed(
+        self, why: str, *, at_once: bool = False, extra: Mapping[str, object] | None = None
+    ) -> None:
+        self.failures = max(self.failures + 1, self.warn_after if at_once else 0)
+        if self.failures >= self.warn_after and not self.said:
+            self.log.warning("%s: %s%s", self.what, why, self.then, extra=extra, stacklevel=2)
+            self.said = True
+        else:
+            self.log.debug("%s: %s", self.what, why, extra=extra, stacklevel=2)
+
+    def worked(self, extra: Mapping[str, object] | None = None) -> None:
+        self.failures = 0
+        if self.said:
+            self.log.info("%s: %s", self.what, self.again, extra=extra, stacklevel=2)
+            self.said = False
 
 
 class NodeWriter:

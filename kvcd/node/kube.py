@@ -8,7 +8,8 @@ node name comes from settings, $KVCD_NODE_NAME or the hostname (backend.node_nam
   read it was computed from: a concurrent writer (another `kvcd@` process on the node) makes it
   409 Conflict, and the update is recomputed from a fresh read. 429, 5xx and connection errors
   are retried with capped exponential backoff; when the attempts run out the call raises
-  `Unavailable` and the daemon keeps its modules and retries later.
+  `Unavailable` and the daemon keeps its modules and retries later. A 401 or 403 is not retried
+  here: `Refused` (an Unavailable) says which credentials or which RBAC permission it lacks.
 - Watch: list+watch of the one node (fieldSelector metadata.name) from the last resourceVersion;
   410 Gone -> re-list; dropped connections -> back off and resume.
 - Events: core/v1 Events about the Node in namespace "default", correlated as the kubelet does
@@ -31,16 +32,38 @@ from typing import Any
 
 from kvcd.core import nodeevents
 from kvcd.host import pylibs
-from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
+from kvcd.node.backend import (
+    Backend,
+    Failing,
+    NodeView,
+    Patch,
+    Refused,
+    Unavailable,
+    changes,
+)
 
 log = logging.getLogger(__name__)
 # A dropped connection or two is routine (debug); this many failures in a row are said once in
 # the journal at WARNING, and the recovery after them at INFO.
 WATCH_WARN_AFTER = 3
+RETRYING = "; retrying with back-off"
 
 RETRY_STATUS = frozenset({409, 429, 500, 502, 503, 504})
 EVENTS_NAMESPACE = "default"
 COMPONENT = "kvcd"
+_VERBS = {"GET": "get", "PATCH": "patch", "POST": "create"}  # a request's RBAC verb
+
+
+def refusal(status: int, verb: str, resource: str) -> str:
+    """What a 401 or 403 means, said with it: neither fixes itself ("" for other statuses)."""
+    if status == 401:
+        return " (the API server does not accept kvcd's credentials: its kubeconfig)"
+    if status == 403:
+        return (
+            f" (no permission: kvcd's RBAC does not let it {verb} {resource}; "
+            "packaging/kubernetes/rbac.yaml)"
+        )
+    return ""
 
 
 class KubeBackend(Backend):
@@ -124,7 +147,12 @@ class KubeBackend(Backend):
             except ApiException as exc:
                 if (exc.status == 409 and conflict_ok) or (exc.status == 404 and absent_ok):
                     return None
-                last = f"{what}: HTTP {exc.status} {exc.reason}"
+                method, _, rest = what.partition(" ")  # "POST event", "PATCH node <name>"
+                last = f"{what}: HTTP {exc.status} {exc.reason}" + refusal(
+                    exc.status, _VERBS.get(method, method.lower()), rest.partition(" ")[0] + "s"
+                )
+                if exc.status in (401, 403):
+                    raise Refused(last) from None
                 if exc.status not in RETRY_STATUS:
                     raise Unavailable(last) from None
             except (HTTPError, OSError) as exc:
@@ -203,23 +231,14 @@ class KubeBackend(Backend):
         from kubernetes.client.exceptions import ApiException
 
         rv: str | None = None
-        failures = 0
-        said = False  # a failing watch was said in the journal (at WARNING): say its recovery
-
-        def working() -> None:  # the node read, or an event came: the watch works
-            nonlocal failures, said
-            failures = 0
-            if said:
-                log.info("node watch: working again")
-                said = False
-
+        # The node read, or an event came: the watch works (said when it was said to fail).
+        failing = Failing(log, "node watch", warn_after=WATCH_WARN_AFTER, then=RETRYING)
         while not self._stop.is_set():
-            why = ""
             try:
                 if rv is None:  # (re-)list: the current state and where to watch from
                     view = self.read()
                     rv = view.version
-                    working()
+                    failing.worked()
                     on_change(view)
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for ev in self._watch.stream(
@@ -238,10 +257,11 @@ class KubeBackend(Backend):
                             raise ApiException(status=410, reason="Gone")
                         raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                    working()
+                    failing.worked()
                     if ev.get("type") in ("ADDED", "MODIFIED"):
                         on_change(self._view(obj))
-                working()
+                failing.worked()
+                continue
             except ApiException as exc:
                 if exc.status == 410:
                     log.debug("node watch: 410 Gone, re-listing")
@@ -249,18 +269,13 @@ class KubeBackend(Backend):
                     continue
                 why = f"HTTP {exc.status} {exc.reason or ''}".rstrip()
                 # Refused credentials do not fix themselves: say so at once.
-                failures = max(failures + 1, WATCH_WARN_AFTER if exc.status in (401, 403) else 0)
+                refused = exc.status in (401, 403)
+                failing.failed(why + refusal(exc.status, "watch", "nodes"), at_once=refused)
             except Unavailable as exc:
-                failures, why = failures + 1, str(exc)
+                failing.failed(str(exc), at_once=isinstance(exc, Refused))
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
-                failures, why = failures + 1, f"{type(exc).__name__}: {exc}"
-            if failures:
-                if failures >= WATCH_WARN_AFTER and not said:
-                    log.warning("node watch: %s; retrying with back-off", why)
-                    said = True
-                else:
-                    log.debug("node watch: %s", why)
-                self._stop.wait(self._delay(min(failures - 1, 6)))
+                failing.failed(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self._delay(min(failing.failures - 1, 6)))
 
     def stop(self) -> None:
         self._stop.set()

@@ -127,6 +127,8 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                 self._status(
                     int(f),
                     {
+                        401: "Unauthorized",
+                        403: "Forbidden",
                         409: "Conflict",
                         429: "TooManyRequests",
                         500: "InternalError",
@@ -488,18 +490,29 @@ def test_watch_follows_changes_relists_on_410_and_resumes_after_drops(
     assert watch_rvs[-1] >= api.compacted
 
 
+PERMISSION = "(no permission: kvcd's RBAC does not let it"
+
+
 @pytest.mark.parametrize(
-    ("faults", "warned"),
+    ("kind", "faults", "warned"),
     [
-        (["drop", 500], None),  # routine: debug only
-        ([500, 500, 500, 500], "node watch: HTTP 500"),  # WATCH_WARN_AFTER in a row
-        ([403], "node watch: HTTP 403"),  # refused credentials: at once
+        ("WATCH", ["drop", 500], None),  # routine: debug only
+        ("WATCH", [500, 500, 500, 500], "node watch: HTTP 500"),  # WATCH_WARN_AFTER in a row
+        # Refused credentials or permissions: at once, and called so.
+        ("WATCH", [403], f"node watch: HTTP 403 Forbidden {PERMISSION} watch nodes;"),
+        (
+            "GET node",
+            [403],
+            f"node watch: GET node {NODE}: HTTP 403 Forbidden {PERMISSION} get nodes;",
+        ),
     ],
+    ids=["drops-debug", "500s-after-3", "403-watch-at-once", "403-read-at-once"],
 )
 def test_a_failing_watch_is_said_once_and_its_recovery_too(
     api: FakeAPI,
     backend: Any,
     caplog: pytest.LogCaptureFixture,
+    kind: str,
     faults: list[Any],
     warned: str | None,
 ) -> None:
@@ -508,9 +521,9 @@ def test_a_failing_watch_is_said_once_and_its_recovery_too(
     be, _ = backend
     caplog.set_level(logging.DEBUG, logger="kvcd.node.kube")
     seen = threading.Event()
-    api.faults["WATCH"] = list(faults)
+    api.faults[kind] = list(faults)
     be.watch(lambda v: seen.set() if v.labels.get("kvcd.io/version.nic") == "1" else None)
-    assert until(lambda: not api.faults["WATCH"] and api.watching == 1)
+    assert until(lambda: not api.faults[kind] and api.watching == 1)
     api.change(lambda m: m["labels"].update({"kvcd.io/version.nic": "1"}))
     assert seen.wait(timeout=30)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -647,6 +660,71 @@ def test_reporter_publishes_and_posts_an_event_per_state_change(
         assert [e["count"] for e in loaded] == [2]
     finally:
         rep.stop()
+
+
+POSTS = [
+    # (case, what the Event POSTs get, the WARNING's start, what it names)
+    ("posted: nothing said", [], None, ""),
+    (
+        "no RBAC for events: said once, as a permission",
+        [403, 403],
+        "node events: ModulesLoaded not posted: POST event: HTTP 403 Forbidden",
+        "no permission: kvcd's RBAC does not let it create events",
+    ),
+    (
+        "the API server fails: said once",
+        [500, 500],
+        "node events: ModulesLoaded not posted: POST event: HTTP 500",
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "faults", "warned", "names"), POSTS, ids=[p[0] for p in POSTS])
+def test_a_failing_event_post_is_said_once_and_its_recovery_too(
+    api: FakeAPI,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    faults: list[int],
+    warned: str | None,
+    names: str,
+) -> None:
+    """A node whose RBAC lacks `create events` never gets kvcd's Events: the journal says so at
+    WARNING on the first failed post (not at debug only, not on every post), and at INFO when
+    a post works again."""
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(
+            NODE, kubeconfig=settings.kubeconfig, attempts=1, sleep=lambda _d: None
+        ),
+    )
+    rep = Reporter(link)
+    c = ctx(tmp_path, settings)
+    caplog.set_level(logging.DEBUG, logger="kvcd.daemon.report")
+    api.faults["POST event"] = list(faults)
+    rep.start(c)
+    try:
+        done = Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b")
+        rep.after(c, done)  # ModulesLoaded
+        rep.after(c, Record("nic", "Degraded", "LoadFailed", "x", version="1.0", boot_id="b"))
+        assert not api.faults["POST event"]
+        rep.after(c, done)  # ModulesLoaded again: posted
+    finally:
+        rep.stop()
+    assert "ModulesLoaded" in [e["reason"] for e in api.stored.values()]
+    assert api.node["metadata"]["annotations"]["kvcd.io/nic.state"] == "Done"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    if warned is None:
+        assert warnings == [] and "node events: posted again" not in infos
+        return
+    assert len(warnings) == 1 and warnings[0].startswith(warned), warnings
+    assert names in warnings[0]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("LoadFailed not posted" in m for m in debug), debug  # the second: debug only
+    assert infos.count("node events: posted again") == 1, infos
 
 
 def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:

@@ -739,6 +739,10 @@ class RecordingInhibitor:
         self.why = ""
         self.fail = fail
 
+    @property
+    def held(self) -> bool:
+        return bool(self.why)
+
     def hold(self, why: str) -> bool:
         from kvcd.host.inhibit import InhibitError
 
@@ -801,6 +805,73 @@ def test_an_inhibitor_logind_refuses_is_said_and_the_instance_goes_on(
     with caplog.at_level(logging.ERROR):
         ext.hold_reboot(ctx, Outcome(B, FAILED, "BuildFailed"))
     assert f"cannot hold the reboot into {B}: logind refused" in caplog.text
+
+
+NOT_HELD = (
+    "; reboot not held (inhibit_reboot = true): "
+    "logind refused or could not be reached: no such name"
+)
+UNHELD = [
+    # (case, whether logind refuses on each look, the note the last look leaves, ERROR lines)
+    ("held: the reason alone", [False], "", 0),
+    ("logind refuses: the record says the reboot is not held", [True], NOT_HELD, 1),
+    ("refused on every look: said once in the journal", [True, True], NOT_HELD, 1),
+    ("logind answers again: the note goes", [True, False], "", 1),
+    ("a lock taken before still holds: no note", [False, True], "", 1),
+]
+
+
+@pytest.mark.parametrize(("case", "refuses", "note", "errors"), UNHELD, ids=[u[0] for u in UNHELD])
+def test_a_reboot_inhibit_reboot_cannot_hold_is_said_where_the_user_looks(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    refuses: list[bool],
+    note: str,
+    errors: int,
+) -> None:
+    """Not only a journal line: `kvcd status`, its --json and the node's next-kernel annotation
+    (so the OS-update gate's reason too) say that the reboot is not held, and why."""
+    from kvcd.daemon.report import node_patch
+    from kvcd.node.keys import Keys
+
+    running_extraction(host)
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
+    pod = FakePodman(host, B)
+    pod.fail_build = True
+    inh = RecordingInhibitor()
+    ext = NextKernel(
+        Settings(inhibit_reboot=True),
+        detector=lambda _root: next_boot(host, B),
+        podman=lambda: pod,
+        inhibitor=inh,  # type: ignore[arg-type]
+    )
+    ctx, posted = context(host, config(host))
+    rec = record(host)
+    with caplog.at_level(logging.ERROR):
+        for refused in refuses:
+            inh.fail = refused
+            ext.dirty = True
+            ext.idle(ctx)
+            ext.after(ctx, rec)  # the cycle its event causes: what the node reporter gets
+    failed = (
+        "BuildFailed: build failed at STEP 2/2: RUN make: exit status 2 "
+        f"(kABI-incompatible with {B}: kvcd_base: 0 missing, 1 with another CRC)"
+    )
+    saved = Record.read(host, NAME)
+    assert saved is not None and saved.next_kernel_state == FAILED
+    assert saved.next_kernel_reason == failed + note
+    (entry,) = status.collect(host, NAME)
+    assert entry["next_kernel_reason"] == saved.next_kernel_reason  # status --json
+    line = f"  next kernel {B}: failed ({saved.next_kernel_reason})"
+    assert line in status.render([entry]).splitlines()
+    annotation = node_patch(Keys("kvcd.io", NAME), rec)[f"kvcd.io/{NAME}.next-kernel"]
+    assert annotation == f"{B} failed: {saved.next_kernel_reason}"
+    said = [r.getMessage() for r in caplog.records if "reboot" in r.getMessage()]
+    assert len(said) == errors and all(m.startswith("cannot hold the reboot") for m in said)
+    # A changed note is news for the node reporter as a changed outcome is.
+    assert len(posted) == 1 + (refuses == [True, False])
 
 
 def test_without_inhibit_reboot_no_inhibitor_exists() -> None:
