@@ -110,10 +110,10 @@ def capabilities(
         out["links"] = _cap(True, f"checked on each reconcile, no link events ({off})")
     else:
         out["links"] = _cap(True, "netlink link events")
-    refused = pylibs.settings_problems(settings, importer)
-    out["node_backend"] = (
-        _cap(False, refused[0][1]) if refused else _cap(True, settings.node_backend)
-    )
+    refused = [
+        why for key, why in pylibs.settings_problems(settings, importer) if key == "node_backend"
+    ]
+    out["node_backend"] = _cap(False, refused[0]) if refused else _cap(True, settings.node_backend)
     if cfg is not None:
         policy = cfg.unload_policy
         out["unload"] = _cap(True, f"unload_policy = {policy} ({UNLOAD_POLICY_TEXT[policy]})")

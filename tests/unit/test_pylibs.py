@@ -434,3 +434,15 @@ def test_status_says_why_capabilities_are_off(
         "  rpm-ostree: CLI (rpm-ostree D-Bus needs the Python package 'pydbus' "
         "(RPM python3-pydbus): import of pydbus halted; None in sys.modules)"
     ) in out
+
+
+def test_the_node_backend_line_is_not_another_settings_refusal(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """inhibit_reboot without its library is refused, but it is not the node backend's."""
+    fakehost.write(root.main_config, 'node_backend = "file"\ninhibit_reboot = true\n')
+    monkeypatch.setitem(sys.modules, "gi", None)
+    monkeypatch.setitem(sys.modules, "gi.repository", None)
+    fakehost.write_config(root, "e2e", GOOD)
+    out = status.render(status.collect(root, "e2e"))
+    assert "  node backend: file\n" in out, out
