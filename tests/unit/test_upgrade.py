@@ -13,9 +13,11 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.core import state
 from kvcd.core import upgrade as up
 from kvcd.core.attempts import RETRY
+from kvcd.core.state import StepFailed
 from kvcd.daemon import extensions
 from kvcd.daemon.drain import Drain
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event
+from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.report import NodeLink, Reporter
 from kvcd.daemon.service import Service
@@ -255,6 +257,18 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         assert "kvcd.io/e2e.ready" not in node.read().annotations
     finally:
         svc.stop_extensions()
+
+
+def test_a_pinned_version_is_never_pulled_or_built(host: HostRoot, fake_commands: Any) -> None:
+    """The config's image and build are the configured version's: a version pinned by the label
+    that the store does not have is refused, never made from them."""
+    inst = Instance(host, load_settings(host), load_instance(host, "e2e"), K).at_version("9.9")
+    with pytest.raises(StepFailed) as err:
+        inst.apply("load")
+    assert err.value.code == state.UPGRADE_PENDING and "9.9" in err.value.detail
+    assert loaded(host) == [] and not any(c[0] == "podman" for c in fake_commands.calls())
+    rec = Record.read(host, "e2e")
+    assert rec is not None and (rec.state, rec.version) == ("Degraded", "9.9")
 
 
 def test_reporter_runs_last_and_ordered_upgrade_is_registered(host: HostRoot) -> None:
