@@ -41,9 +41,14 @@ class Event:
 @dataclass(frozen=True)
 class Verdict:
     verb: str  # LOAD | UNLOAD | HOLD | SKIP
-    state: str = ""  # for HOLD (and for `after`): Done | Working | Degraded
+    # For HOLD (and for `after`): Done | Working | Degraded; for LOAD and UNLOAD, the state
+    # recorded when the change went through ("" = Done).
+    state: str = ""
     code: str = ""  # written into the record: a reason code ("" for Done or a plain note)
     detail: str = ""
+    # LOAD: the version to load from kvcd's store instead of the configured one ("": the
+    # configured one). Ordered upgrade: the version the node label keeps.
+    version: str = ""
 
     @property
     def reason(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import owners, state
 from kvcd.core import plan as planner
-from kvcd.core.actions import Verify
+from kvcd.core.actions import AcquireImage, Extract, Hook, Verify
 from kvcd.core.attempts import Attempt
 from kvcd.core.plan import Plan
 from kvcd.core.state import StepFailed
@@ -66,6 +67,7 @@ class Instance:
         self.on_build_line = on_build_line
         self._podman = podman or self._default_podman
         self._owns_podman = podman is None  # its clients are closed with each change
+        self.store_only = False  # at_version: load from the store, never pull, build or extract
 
     def _default_podman(self) -> Podman:
         from kvcd.host.podman import Podman
@@ -77,17 +79,53 @@ class Instance:
         d = desired_for(self.cfg, self.kernel)
         return replace(d, modules_dir=str(self.modules_dir)) if self.modules_dir else d
 
+    def at_version(self, version: str) -> Instance:
+        """This instance with `version` in place of the configured one, loaded from kvcd's store
+        only (ordered upgrade: the version the node label keeps, kvcd.core.upgrade). The config's
+        image and build are the configured version's: using them for `version` would make a
+        wrong image, so a plan that needs the image is refused (UpgradePending)."""
+        pinned = copy.copy(self)
+        pinned.cfg = replace(self.cfg, version=version)
+        pinned.store_only = True
+        return pinned
+
     def plan(self, verb: str) -> Plan:
         if self.no_variant is not None and verb != "unload":
             raise StepFailed(state.NO_VARIANT, self.no_variant)
         d = self.desired
-        return VERBS[verb](d, observe(self.root, d))
+        plan = VERBS[verb](d, observe(self.root, d))
+        if self.store_only and any(
+            isinstance(a, (AcquireImage, Extract, Hook)) for a in plan.actions
+        ):
+            raise StepFailed(
+                state.UPGRADE_PENDING,
+                f"version {d.version} is not in kvcd's store for {d.kernel}: not loaded",
+            )
+        return plan
 
-    def apply(self, verb: str, *, pid: int | None = None, code: str = "", why: str = "") -> Record:
+    def follow(self, verdict: Verdict, *, pid: int | None = None) -> Record:
+        """Apply a LOAD or UNLOAD verdict: its version (when set) is the one loaded, from the
+        store; its code and detail are the record's reason; its state (when set) is the state
+        recorded when the change went through (Done otherwise)."""
+        inst = self.at_version(verdict.version) if verdict.version else self
+        done = verdict.state or state.DONE
+        return inst.apply(verdict.verb, pid=pid, code=verdict.code, why=verdict.detail, done=done)
+
+    def apply(
+        self,
+        verb: str,
+        *,
+        pid: int | None = None,
+        code: str = "",
+        why: str = "",
+        done: str = state.DONE,
+    ) -> Record:
         """Plan and apply `verb` under the instance lock; record the outcome; raise StepFailed.
 
         `code` and `why` are kept as the Done record's reason when something other than the
-        config chose the verb (e.g. "no device": Done, nothing loaded)."""
+        config chose the verb (e.g. "no device": Done, nothing loaded); `done` is the state
+        recorded when it went through (Degraded: nothing failed, but the node is not as asked,
+        e.g. an upgrade label naming a version kvcd cannot load)."""
         with writing(self.root, self.cfg.name) as w:
             # Node-wide, held from the ownership check to the Working record that claims the
             # modules (not through the work): two instances starting at once cannot both take
@@ -114,7 +152,7 @@ class Instance:
             finally:
                 if self._owns_podman:  # its API connection, not left to the garbage collector
                     executor.close()
-            return _enter(w, about, state.DONE, code, why)
+            return _enter(w, about, done, code, why)
 
     def _check_owner(self, w: Writer, verb: str, pid: int | None) -> None:
         """One owner per module: refuse to load or unload a module another instance holds;

@@ -347,9 +347,7 @@ class Service:
                     record = inst.note(v.state, v.code, v.detail, pid=os.getpid(), attempt=attempt)
                     self.ledger = done
                 else:
-                    record = inst.apply(
-                        verdict.verb, pid=os.getpid(), code=verdict.code, why=verdict.detail
-                    )
+                    record = inst.follow(verdict, pid=os.getpid())
                 record = self._settle(inst, attempts.succeeded(intent)) or record
                 return self._after(inst, record)
             except files.Refused:

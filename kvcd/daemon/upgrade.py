@@ -1,22 +1,26 @@
 """Ordered upgrade extension (KMM protocol): the node label decides what may be loaded.
 
 Watches the node through the shared NodeLink; a change of the instance's label posts an event.
-`verdict()` reads the label fresh (or, when the node is unreachable, the last label seen) and
-the loaded version from /sys/module and the module root, and returns LOAD / UNLOAD / HOLD per
-the literal table in kvcd.core.upgrade. Never seen the label and cannot read it -> HOLD (keep
-the modules as they are). `after()` queues `<p>/<stem>.ready` = the loaded version (removed when
-not loaded) for the Reporter.
+`verdict()` reads the label fresh (or, when the node is unreachable, the last label seen), the
+loaded version from /sys/module and the module root, and whether kvcd's store still has the
+labelled version for this kernel, and returns LOAD (of the configured version, or of the
+labelled one from the store) / UNLOAD / HOLD per the literal table in kvcd.core.upgrade. Never
+seen the label and cannot read it -> HOLD (keep the modules as they are). `after()` queues
+`<p>/<stem>.ready` = the loaded version (removed when not loaded) for the Reporter.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
+from kvcd.core import plan as planner
 from kvcd.core import upgrade as table
 from kvcd.core.state import DONE
+from kvcd.daemon import store
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.report import NodeLink
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_VERBS = {table.LOAD: LOAD, table.UNLOAD: UNLOAD, table.HOLD: HOLD}
+_VERBS = {table.LOAD: LOAD, table.LOAD_LABELED: LOAD, table.UNLOAD: UNLOAD, table.HOLD: HOLD}
 
 
 def label_key(ctx: Context) -> str:
@@ -47,6 +51,20 @@ def check_upgrade_label(cfg: InstanceConfig, settings: Settings) -> None:
             f"upgrade_label {label!r} is under kvcd's own prefix {prefix}/, whose keys kvcd "
             f"writes; use {own!r} (the default: leave upgrade_label out) or a key of your own",
         )
+
+
+def labelled_in_store(ctx: Context, label: str | None) -> bool:
+    """Whether the label names a version other than the configured one that kvcd can load from
+    its store for the running kernel: nothing to pull, build or extract (the plan's own test),
+    and every module the config names in its manifest. Never for a KVC hook instance, whose
+    library builds and loads."""
+    if not label or label == ctx.cfg.version or ctx.cfg.kvc_lib is not None:
+        return False
+    d = desired_for(replace(ctx.cfg, version=label), ctx.kernel)
+    if planner.plan_build(d, observe(ctx.root, d)).actions:
+        return False
+    manifest = store.stored_versions(ctx.root, ctx.name, ctx.kernel).get(label)
+    return manifest is not None and all(m.kernel_name in manifest.modules for m in d.modules)
 
 
 class OrderedUpgrade(Extension):
@@ -94,10 +112,12 @@ class OrderedUpgrade(Extension):
         desired = desired_for(ctx.cfg, ctx.kernel)
         observed = observe(ctx.root, desired)
         loaded = bool(observed.loaded)
-        d = table.decide(label, ctx.cfg.version, loaded, observed.active if loaded else None, key)
+        active = observed.active if loaded else None
+        stored = labelled_in_store(ctx, label)
+        d = table.decide(label, ctx.cfg.version, loaded, active, key, stored=stored)
         if d.verb != table.LOAD:
             log.info("ordered upgrade: %s", d.reason, extra={**ctx.fields, "KVCD_LABEL": key})
-        return Verdict(_VERBS[d.verb], d.state, d.code, d.detail)
+        return Verdict(_VERBS[d.verb], d.state, d.code, d.detail, d.version)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         keys = self.link.keys(ctx)

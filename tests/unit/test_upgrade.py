@@ -4,6 +4,7 @@ extension against the file backend and a fake host, and the `kvcd run` loop driv
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,72 +14,101 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.core import state
 from kvcd.core import upgrade as up
 from kvcd.core.attempts import RETRY
-from kvcd.daemon import extensions
+from kvcd.core.state import StepFailed
+from kvcd.daemon import extensions, store
 from kvcd.daemon.drain import Drain
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event
+from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.report import NodeLink, Reporter
 from kvcd.daemon.service import Service
-from kvcd.daemon.upgrade import OrderedUpgrade
+from kvcd.daemon.upgrade import OrderedUpgrade, labelled_in_store
+from kvcd.host import modtree
 from kvcd.host.paths import HostRoot
 from kvcd.node.filebackend import FileBackend
 from tests import fakehost
 
 K = "6.1.0-56-amd64"
 MODS = ["kvcd_base", "kvcd_user"]
+LA, UP, DG = state.LABEL_ABSENT, state.UPGRADE_PENDING, state.DEGRADED
+LL = "load-labeled"  # up.LOAD_LABELED: load the labelled version, from the store
 LABEL = "kvcd.io/version.e2e"
 CONFIG = (
     'version = "{v}"\nmodules = ["kvcd_base", "kvcd_user"]\nordered_upgrade = true\n'
     '[build]\ncontext = "/src"\n'
 )
 
-# label, configured, loaded?, loaded version -> verb, hold state, reason code
+# label, configured, stored? (the label names a version kvcd has whole in its store for this
+# kernel), loaded?, loaded version -> verb, recorded state ("" = Done), reason code
 ROWS = [
-    # fresh node, label set to the configured version: load
-    ("1.0", "1.0", False, None, up.LOAD, "", ""),
-    # already loaded as labeled: load (= verify, nothing to change)
-    ("1.0", "1.0", True, "1.0", up.LOAD, "", ""),
-    # label moved 1.0 -> 2.0 and config says 2.0: load 2.0 (the planner unloads 1.0 first)
-    ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
+    pytest.param("1.0", "1.0", False, False, None, up.LOAD, "", "", id="fresh node, label set"),
+    pytest.param("1.0", "1.0", False, True, "1.0", up.LOAD, "", "", id="loaded as labelled"),
+    # the planner unloads 1.0 first
+    pytest.param("2.0", "2.0", True, True, "1.0", up.LOAD, "", "", id="label moved to config"),
     # label removed: unload (KMM step 4), whatever is loaded
-    (None, "1.0", True, "1.0", up.UNLOAD, "", state.LABEL_ABSENT),
-    (None, "2.0", True, "1.0", up.UNLOAD, "", state.LABEL_ABSENT),
-    ("", "1.0", False, None, up.UNLOAD, "", state.LABEL_ABSENT),
+    pytest.param(None, "1.0", False, True, "1.0", up.UNLOAD, "", LA, id="label removed"),
+    pytest.param(None, "2.0", False, True, "1.0", up.UNLOAD, "", LA, id="label removed, v2 cfg"),
+    pytest.param("", "1.0", False, False, None, up.UNLOAD, "", LA, id="label empty"),
     # config moved to 2.0, label still 1.0 and 1.0 loaded: keep 1.0 until the label moves
-    ("1.0", "2.0", True, "1.0", up.HOLD, "Done", state.UPGRADE_PENDING),
-    # label names a version the config does not have: nothing may be loaded
-    ("3.0", "2.0", False, None, up.UNLOAD, "", state.UPGRADE_PENDING),
-    ("1.0", "2.0", True, "2.0", up.UNLOAD, "", state.UPGRADE_PENDING),
-    ("3.0", "2.0", True, "1.0", up.UNLOAD, "", state.UPGRADE_PENDING),
+    pytest.param("1.0", "2.0", True, True, "1.0", up.HOLD, "Done", UP, id="KMM step 2"),
+    pytest.param("1.0", "2.0", False, True, "1.0", up.HOLD, "Done", UP, id="step 2, not stored"),
+    # The same, after a reboot (nothing in /sys/module), or a restart whose stop unloaded
+    # (unload_policy "if-idle"): the label still names 1.0, so 1.0 is loaded again from the store.
+    pytest.param("1.0", "2.0", True, False, None, LL, "", UP, id="reboot mid-upgrade"),
+    pytest.param("1.0", "2.0", True, False, None, LL, "", UP, id="restart mid-upgrade"),
+    # ... and a restart that kept it loaded (unload_policy "never"): keep it
+    pytest.param("1.0", "2.0", True, True, "1.0", up.HOLD, "Done", UP, id="restart, kept loaded"),
+    # 1.0 no longer in the store for this kernel (a new kernel after the reboot, a purge): it
+    # cannot be loaded, and the record says so (Degraded), not Done
+    pytest.param("1.0", "2.0", False, False, None, up.UNLOAD, DG, UP, id="reboot, not stored"),
+    # the label names a version the store has, something else is loaded: swap to the labelled one
+    pytest.param("1.0", "2.0", True, True, "2.0", LL, "", UP, id="label moved back"),
+    pytest.param("1.0", "3.0", True, True, "2.0", LL, "", UP, id="label names a stored other"),
+    # label names a version neither the config nor the store has: nothing may be loaded
+    pytest.param("3.0", "2.0", False, False, None, up.UNLOAD, DG, UP, id="unknown label"),
+    pytest.param("1.0", "2.0", False, True, "2.0", up.UNLOAD, DG, UP, id="label back, not stored"),
+    pytest.param("3.0", "2.0", False, True, "1.0", up.UNLOAD, DG, UP, id="unknown label, v1 in"),
     # loaded but the version is unknown (a KVC hook instance): the label still decides
-    ("1.0", "1.0", True, None, up.LOAD, "", ""),
-    (None, "1.0", True, None, up.UNLOAD, "", state.LABEL_ABSENT),
+    pytest.param("1.0", "1.0", False, True, None, up.LOAD, "", "", id="hooks, labelled"),
+    pytest.param(None, "1.0", False, True, None, up.UNLOAD, "", LA, id="hooks, label removed"),
     # restart after unloading 1.0 (label removed), before the label came back as 2.0
-    (None, "2.0", False, None, up.UNLOAD, "", state.LABEL_ABSENT),
+    pytest.param(None, "2.0", False, False, None, up.UNLOAD, "", LA, id="restart, label gone"),
     # restart after the label moved to 2.0 but before the swap happened: same decision as live
-    ("2.0", "2.0", True, "1.0", up.LOAD, "", ""),
+    pytest.param("2.0", "2.0", True, True, "1.0", up.LOAD, "", "", id="restart before swap"),
     # restart after the swap: 2.0 loaded, verify only
-    ("2.0", "2.0", True, "2.0", up.LOAD, "", ""),
+    pytest.param("2.0", "2.0", True, True, "2.0", up.LOAD, "", "", id="restart after swap"),
 ]
 
 
-@pytest.mark.parametrize(("label", "cfg", "loaded", "lver", "verb", "st", "code"), ROWS)
+@pytest.mark.parametrize(("label", "cfg", "stored", "loaded", "lver", "verb", "st", "code"), ROWS)
 def test_table(
-    label: str | None, cfg: str, loaded: bool, lver: str | None, verb: str, st: str, code: str
+    label: str | None,
+    cfg: str,
+    stored: bool,
+    loaded: bool,
+    lver: str | None,
+    verb: str,
+    st: str,
+    code: str,
 ) -> None:
-    d = up.decide(label, cfg, loaded, lver, LABEL)
+    d = up.decide(label, cfg, loaded, lver, LABEL, stored=stored)
     assert (d.verb, d.state) == (verb, st)
     assert d.reason.split(":", 1)[0] == code
     if code:
         assert LABEL in d.reason
+    # The version to load when it is not the configured one: the labelled one, only then.
+    assert d.version == (label if verb == LL else "")
 
 
 def test_table_covers_every_reachable_combination() -> None:
     seen = set()
-    for label, cfg, loaded, lver in itertools.product(
-        (None, "1.0", "2.0"), ("1.0", "2.0"), (False, True), (None, "1.0", "2.0")
+    for label, cfg, stored, loaded, lver in itertools.product(
+        (None, "1.0", "2.0"), ("1.0", "2.0"), (False, True), (False, True), (None, "1.0", "2.0")
     ):
-        key = (up.classify_label(label, cfg), up.classify_loaded(loaded, lver, label, cfg))
+        key = (
+            up.classify_label(label, cfg, stored=stored),
+            up.classify_loaded(loaded, lver, label, cfg),
+        )
         assert key in up.TABLE, key
         seen.add(key)
     assert seen == set(up.TABLE)
@@ -255,6 +285,135 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         assert "kvcd.io/e2e.ready" not in node.read().annotations
     finally:
         svc.stop_extensions()
+
+
+def to_step_2(host: HostRoot) -> Service:
+    """A `kvcd run` with 1.0 loaded by the label, then the config moved to 2.0 (KMM step 2)."""
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    label(host, "1.0")
+    rec = svc.reconcile([Event("start", kind=RETRY)])
+    assert rec is not None and (rec.state, rec.version) == ("Done", "1.0") and loaded(host) == MODS
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    rec = svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    assert rec is not None and rec.reason.startswith("UpgradePending") and loaded(host) == MODS
+    return svc
+
+
+def reboot(host: HostRoot) -> None:
+    """What a reboot leaves: nothing in /sys/module, a new boot id; the store and the module
+    root as they were."""
+    shutil.rmtree(host.sys_module)
+    host.sys_module.mkdir()
+    host.boot_id.write_text("0b5e6c4e-0000-4000-8000-000000000002\n")
+
+
+def active_version(host: HostRoot) -> str | None:
+    tree = modtree.active_store(host, K, "e2e")
+    manifest = store.read_manifest(tree) if tree is not None else None
+    return manifest.version if manifest is not None else None
+
+
+@pytest.mark.parametrize("how", ["reboot", "restart"])
+def test_mid_upgrade_the_labelled_version_is_loaded_again(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """KMM step 2 done (config 2.0, label 1.0), then a reboot, or a `systemctl restart` whose
+    stop unloads (the default unload_policy): the label still names 1.0, which the store has,
+    so 1.0 is loaded again and the node says so; the label moving on swaps it for 2.0."""
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+    monkeypatch.setattr(extensions, "build", node_extensions)
+    node = FileBackend(host, "n1")
+    svc = to_step_2(host)
+    if how == "reboot":
+        svc.stop_extensions()
+        reboot(host)
+    else:
+        assert svc.stop() == 0 and loaded(host) == []
+        svc.stop_extensions()
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and (rec.state, rec.goal, rec.version) == ("Done", "loaded", "1.0")
+        assert rec.reason == (
+            f"UpgradePending: label {LABEL}=1.0 keeps version 1.0 loaded; "
+            "configured 2.0 waits for the label"
+        )
+        assert loaded(host) == MODS and active_version(host) == "1.0"
+        ann = node.read().annotations
+        assert (ann["kvcd.io/e2e.state"], ann["kvcd.io/e2e.version"]) == ("Done", "1.0")
+        assert ann["kvcd.io/e2e.ready"] == "1.0"
+
+        # Another reconcile changes nothing: 1.0 is what the label keeps.
+        rec = svc.reconcile([Event("ordered-upgrade", "timer")])
+        assert rec is not None and (rec.state, rec.version) == ("Done", "1.0")
+
+        # The label moves on: 1.0 out, 2.0 in.
+        label(host, "2.0")
+        rec = svc.reconcile([Event("ordered-upgrade", "label")])
+        assert rec is not None and (rec.state, rec.version, rec.reason) == ("Done", "2.0", "")
+        assert loaded(host) == MODS and active_version(host) == "2.0"
+        assert node.read().annotations["kvcd.io/e2e.ready"] == "2.0"
+    finally:
+        svc.stop_extensions()
+
+
+def test_mid_upgrade_without_the_labelled_version_in_the_store_is_degraded(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same reboot, but 1.0 is no longer in the store for this kernel: nothing can be
+    loaded, and neither the record nor the node claims Done (nor the .ready of a version)."""
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+    monkeypatch.setattr(extensions, "build", node_extensions)
+    node = FileBackend(host, "n1")
+    svc = to_step_2(host)
+    svc.stop_extensions()
+    reboot(host)
+    shutil.rmtree(store.tree(host, "e2e", "1.0", K))
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and (rec.state, rec.goal) == ("Degraded", "unloaded")
+        assert rec.reason.startswith(f"UpgradePending: label {LABEL}=1.0 names a version")
+        assert "not in kvcd's store" in rec.reason and "until the label names 2.0" in rec.reason
+        assert loaded(host) == []
+        ann = node.read().annotations
+        assert ann["kvcd.io/e2e.state"] == "Degraded"
+        assert ann["kvcd.io/e2e.reason"] == rec.reason
+        assert "kvcd.io/e2e.ready" not in ann
+    finally:
+        svc.stop_extensions()
+
+
+def test_labelled_in_store_only_when_loading_it_needs_no_image(host: HostRoot) -> None:
+    """ "The label names a stored version": a complete tree with every configured module, which
+    the plan would not extract again; never the configured version itself."""
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0"))
+    ctx = ctx_for(host)
+    assert labelled_in_store(ctx, "1.0")
+    assert not labelled_in_store(ctx, "2.0") and not labelled_in_store(ctx, None)
+    assert not labelled_in_store(ctx, "9.9")  # never extracted
+    # The config (at 2.0) names a module the 1.0 tree does not have.
+    fakehost.write_config(
+        host, "e2e", CONFIG.format(v="2.0").replace('"kvcd_user"]', '"kvcd_user", "kvcd_new"]')
+    )
+    assert not labelled_in_store(ctx_for(host), "1.0")
+    # The config asks for firmware the 1.0 tree was extracted without: the plan would extract.
+    fakehost.write_config(
+        host, "e2e", CONFIG.format(v="2.0").replace("[build]", 'firmware_path = "/fw"\n[build]')
+    )
+    assert not labelled_in_store(ctx_for(host), "1.0")
+
+
+def test_a_pinned_version_is_never_pulled_or_built(host: HostRoot, fake_commands: Any) -> None:
+    """The config's image and build are the configured version's: a version pinned by the label
+    that the store does not have is refused, never made from them."""
+    inst = Instance(host, load_settings(host), load_instance(host, "e2e"), K).at_version("9.9")
+    with pytest.raises(StepFailed) as err:
+        inst.apply("load")
+    assert err.value.code == state.UPGRADE_PENDING and "9.9" in err.value.detail
+    assert loaded(host) == [] and not any(c[0] == "podman" for c in fake_commands.calls())
+    rec = Record.read(host, "e2e")
+    assert rec is not None and (rec.state, rec.version) == ("Degraded", "9.9")
 
 
 def test_reporter_runs_last_and_ordered_upgrade_is_registered(host: HostRoot) -> None:

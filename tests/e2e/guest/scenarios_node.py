@@ -2,8 +2,9 @@
 
 (n1) Ordered upgrade driven by `kvcd label` (the file backend, /var/lib/kvcd/node.json): no label
      -> nothing loaded; label 1.0 -> 1.0 loaded and `<p>/<instance>.ready = 1.0`; config moved to
-     2.0 and reloaded -> 1.0 stays (UpgradePending); label 2.0 -> 1.0 out, 2.0 in; label removed
-     -> unloaded. Every step checks /proc/modules, `kvcd status` and the node annotations.
+     2.0 and reloaded -> 1.0 stays (UpgradePending); restarted there (the stop unloads) -> 1.0
+     loaded again from the store; label 2.0 -> 1.0 out, 2.0 in; label removed -> unloaded.
+     Every step checks /proc/modules, `kvcd status` and the node annotations.
 (n2) A module held by something kvcd does not own -> the unload is refused (ModuleInUse), the
      holder is named in the reason, in `kvcd status` and in the journal (KVCD_HOLDERS), and the
      module stays loaded. The test modules register no device node, so the holder here is a
@@ -149,6 +150,15 @@ def test_n1_label_drives_ordered_upgrade() -> None:
     st = settle("Done")
     assert st["reason"].startswith("UpgradePending"), st
     assert module_version("kvcd_user") == "1.0"
+
+    # A restart there (unload_policy if-idle: the stop unloads): the label still says 1.0, which
+    # the store has, so 1.0 is loaded again (never built from the 2.0 config).
+    sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
+    st = settle("Done", "Degraded")
+    assert st["state"] == "Done" and st["goal"] == "loaded", st
+    assert st["reason"].startswith("UpgradePending") and st["version"] == "1.0", st
+    assert module_version("kvcd_user") == "1.0"
+    wait_for(lambda: ann("version") == "1.0" and ann("ready") == "1.0", 60, "node says 1.0")
 
     # The label moves: 1.0 out, 2.0 in.
     sh(["kvcd", "label", f"{LABEL}=2.0"])
