@@ -7,7 +7,8 @@ the strongest claim of all instances (Reboot_Required > Drain_Required > Idle): 
 node, shared. The cluster's drain controller answers in `<p>/drain-current`
 (Idle | Draining | DrainComplete). On DrainComplete kvcd applies its change and withdraws its
 claim; the last claim withdrawn writes `<p>/drain = Idle`. No answer within the timeout ->
-Degraded (DrainTimeout) and the claim is withdrawn, so a node is never left cordoned for kvcd.
+Degraded (DrainTimeout) and the claim is withdrawn (Reboot_Required too), so a node is never
+left cordoned for kvcd.
 
 Everything is re-derived from the node's annotations and the host on every reconcile: a restart
 in the middle of the handshake continues where it was (rows marked "restart" in the tests).
@@ -125,7 +126,9 @@ AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
     (DRAIN_REQUIRED, IDLE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
     (DRAIN_REQUIRED, DRAINING, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
     (DRAIN_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
-    # Reboot claimed: only a reboot (a new boot id, handled in before()) clears it.
+    # Reboot claimed: kept while the module stays stuck (a reboot, a new boot id, clears it:
+    # stale()); withdrawn once the change went through, or on any other failure, DrainTimeout
+    # included: the next attempt that finds the module stuck asks again.
     (REBOOT_REQUIRED, IDLE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
     (REBOOT_REQUIRED, DRAINING, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
     (REBOOT_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
@@ -135,9 +138,9 @@ AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
     (REBOOT_REQUIRED, IDLE, APPLIED): (RELEASE, "", ""),
     (REBOOT_REQUIRED, DRAINING, APPLIED): (RELEASE, "", ""),
     (REBOOT_REQUIRED, DRAIN_COMPLETE, APPLIED): (RELEASE, "", ""),
-    (REBOOT_REQUIRED, IDLE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
-    (REBOOT_REQUIRED, DRAINING, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
-    (REBOOT_REQUIRED, DRAIN_COMPLETE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, IDLE, FAILED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAINING, FAILED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, FAILED): (RELEASE, "", ""),
 }
 
 

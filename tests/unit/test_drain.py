@@ -39,7 +39,30 @@ def claim(kind: str = hs.DRAIN_REQUIRED, boot: str = BOOT, since: float = T0) ->
     return hs.Claim(kind, boot, since)
 
 
-# claim, drain-current, now -> before()
+# The BEFORE table, every row: (claimed, drain-current, expired) -> the step.
+BEFORE_TABLE = [
+    ((False, hs.IDLE, False), hs.PROCEED),
+    ((False, hs.DRAINING, False), hs.PROCEED),
+    ((False, hs.DRAIN_COMPLETE, False), hs.PROCEED),
+    ((True, hs.IDLE, False), hs.WAIT),
+    ((True, hs.DRAINING, False), hs.WAIT),
+    ((True, hs.DRAIN_COMPLETE, False), hs.PROCEED),
+    ((True, hs.IDLE, True), hs.TIMEOUT),
+    ((True, hs.DRAINING, True), hs.TIMEOUT),
+    ((True, hs.DRAIN_COMPLETE, True), hs.PROCEED),  # the answer came; late is better than never
+]
+
+
+@pytest.mark.parametrize(("key", "step"), BEFORE_TABLE)
+def test_before_table_row(key: tuple[bool, str, bool], step: str) -> None:
+    assert hs.BEFORE[key] == step
+
+
+def test_before_table_is_the_rows() -> None:
+    assert dict(BEFORE_TABLE) == hs.BEFORE
+
+
+# claim, drain-current, now -> before(): how the table is entered
 BEFORE_ROWS = [
     (None, "", T0, hs.PROCEED),
     (None, hs.DRAIN_COMPLETE, T0, hs.PROCEED),
@@ -68,16 +91,48 @@ def test_stale() -> None:
     assert not hs.stale(None, BOOT)
 
 
-# claim kind, drain-current, outcome -> action, state, reason code
-AFTER_ROWS = [
+# The AFTER table, every row: claim kind, drain-current, outcome -> action, state, reason code.
+AFTER_TABLE = [
+    # No claim yet: a blocked change asks for a drain; an unload that failed asks for a reboot.
     ("", hs.IDLE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
+    ("", hs.DRAINING, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
+    # (a DrainComplete left from an earlier request is recorded in the claim: see new_claim)
+    ("", hs.DRAIN_COMPLETE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
     ("", hs.IDLE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
+    ("", hs.DRAINING, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
+    ("", hs.DRAIN_COMPLETE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
     ("", hs.IDLE, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.DRAINING, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.DRAIN_COMPLETE, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.IDLE, hs.FAILED, hs.NOTHING, "", ""),
+    ("", hs.DRAINING, hs.FAILED, hs.NOTHING, "", ""),
     ("", hs.DRAIN_COMPLETE, hs.FAILED, hs.NOTHING, "", ""),
-    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
-    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", state.MODULE_IN_USE),
+    # Drain claimed.
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.BLOCKED, hs.KEEP, "Working", state.DRAIN_PENDING),
     (hs.DRAIN_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Working", state.DRAIN_PENDING),
-    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", state.MODULE_IN_USE),
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.FAILED, hs.RELEASE, "", ""),
+    (
+        hs.DRAIN_REQUIRED,
+        hs.IDLE,
+        hs.UNLOADABLE,
+        hs.REQUEST_REBOOT,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
+    (
+        hs.DRAIN_REQUIRED,
+        hs.DRAINING,
+        hs.UNLOADABLE,
+        hs.REQUEST_REBOOT,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
     (
         hs.DRAIN_REQUIRED,
         hs.DRAIN_COMPLETE,
@@ -86,22 +141,40 @@ AFTER_ROWS = [
         "Degraded",
         state.REBOOT_PENDING,
     ),
+    # Reboot claimed: kept while the module stays stuck; withdrawn once the change went through,
+    # or on any other failure, DrainTimeout included (never left cordoned for kvcd).
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.UNLOADABLE, hs.KEEP, "Degraded", state.REBOOT_PENDING),
     (hs.REBOOT_REQUIRED, hs.DRAINING, hs.UNLOADABLE, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (
+        hs.REBOOT_REQUIRED,
+        hs.DRAIN_COMPLETE,
+        hs.UNLOADABLE,
+        hs.KEEP,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
     (hs.REBOOT_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.FAILED, hs.RELEASE, "", ""),  # DrainTimeout
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.FAILED, hs.RELEASE, "", ""),
 ]
 
 
-@pytest.mark.parametrize(("kind", "current", "outcome", "action", "st", "code"), AFTER_ROWS)
+@pytest.mark.parametrize(("kind", "current", "outcome", "action", "st", "code"), AFTER_TABLE)
 def test_after(kind: str, current: str, outcome: str, action: str, st: str, code: str) -> None:
+    assert hs.AFTER[(kind, current, outcome)] == (action, st, code)
     c = claim(kind) if kind else None
     assert hs.after(c, current, outcome) == (action, st, code)
 
 
-def test_after_table_is_complete() -> None:
-    for kind in ("", hs.DRAIN_REQUIRED, hs.REBOOT_REQUIRED):
-        for current in (hs.IDLE, hs.DRAINING, hs.DRAIN_COMPLETE):
-            for outcome in (hs.BLOCKED, hs.UNLOADABLE, hs.APPLIED, hs.FAILED):
-                assert (kind, current, outcome) in hs.AFTER
+def test_after_table_is_the_rows() -> None:
+    assert len(AFTER_TABLE) == 36
+    assert {(k, c, o): (a, s, r) for k, c, o, a, s, r in AFTER_TABLE} == hs.AFTER
 
 
 @pytest.mark.parametrize(
@@ -323,6 +396,26 @@ def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: 
     rec = service().reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == "Done"
     assert ann(host)["kvcd.io/drain"] == "Idle"
+
+
+def test_a_reboot_claim_is_withdrawn_on_drain_timeout(host: HostRoot, service: Any) -> None:
+    """No answer to a Reboot_Required within drain_timeout: Degraded (DrainTimeout) and the claim
+    withdrawn, as for Drain_Required: a node is never left cordoned for kvcd."""
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/e2e.drain": f"Reboot_Required boot={BOOT} since={T0:.0f}",
+            "kvcd.io/drain": "Reboot_Required",
+        }
+    )
+    svc = service()
+    service.clock.now = T0 + 10000
+    rec = svc.reconcile([Event("start", kind=RETRY)])
+    assert rec is not None and rec.state == "Degraded", rec.reason
+    assert rec.reason.startswith(
+        "DrainTimeout: no DrainComplete within 600s of the Reboot_Required request"
+    )
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
 
 
 def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
