@@ -10,6 +10,10 @@ claim; the last claim withdrawn writes `<p>/drain = Idle`. No answer within the 
 Degraded (DrainTimeout) and the claim is withdrawn (Reboot_Required too), so a node is never
 left cordoned for kvcd.
 
+Only claims of the running boot count: one of an earlier boot asked for a reboot or a drain that
+has happened since (its instance may be gone for good), so it is no request any more, and the
+next claim written on the node removes it.
+
 Everything is re-derived from the node's annotations and the host on every reconcile: a restart
 in the middle of the handshake continues where it was (rows marked "restart" in the tests).
 Pure: no I/O.
@@ -17,7 +21,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from kvcd.core.state import (
@@ -181,14 +185,34 @@ def outcome_of(state: str, code: str) -> str | None:
     return FAILED
 
 
-def node_value(annotations: Mapping[str, str], prefix: str, suffix: str = ".drain") -> str:
-    """The node-wide request: the strongest claim of all instances on the node."""
-    kinds = set()
+def is_claim_key(key: str, prefix: str) -> bool:
+    """An instance's claim `<p>/<stem>.drain` (not the node-wide `<p>/drain`)."""
+    return key.startswith(prefix + "/") and key.endswith(".drain")
+
+
+def _all_claims(annotations: Mapping[str, str], prefix: str) -> Iterator[tuple[str, Claim]]:
     for key, value in annotations.items():
-        if key.startswith(prefix + "/") and key.endswith(suffix):
+        if is_claim_key(key, prefix):
             claim = Claim.decode(value)
             if claim is not None:
-                kinds.add(claim.kind)
+                yield key, claim
+
+
+def claims(
+    annotations: Mapping[str, str], prefix: str, boot_id: str
+) -> Iterator[tuple[str, Claim]]:
+    """The readable claims of this boot on the node (key, claim)."""
+    return ((k, c) for k, c in _all_claims(annotations, prefix) if not stale(c, boot_id))
+
+
+def stale_claims(annotations: Mapping[str, str], prefix: str, boot_id: str) -> list[str]:
+    """The keys of claims of an earlier boot: nothing asks for them any more."""
+    return [k for k, c in _all_claims(annotations, prefix) if stale(c, boot_id)]
+
+
+def node_value(annotations: Mapping[str, str], prefix: str, boot_id: str) -> str:
+    """The node-wide request: the strongest claim of this boot of all instances on the node."""
+    kinds = {c.kind for _k, c in claims(annotations, prefix, boot_id)}
     if REBOOT_REQUIRED in kinds:
         return REBOOT_REQUIRED
     if DRAIN_REQUIRED in kinds:

@@ -141,19 +141,25 @@ class Drain(Extension):
         return claim, current
 
     def _set_claim(self, ctx: Context, claim: hs.Claim | None) -> bool:
-        """Write (or withdraw) our claim and the node-wide request in one atomic update."""
+        """Write (or withdraw) our claim and the node-wide request in one atomic update,
+        removing the claims of earlier boots (the node-wide request counts only this boot's)."""
         writer = self.link.writer
         if writer is None:
             return False
         own = self.link.keys(ctx).drain_request
-        node_key = nodekeys.drain_key(self.link.prefix)
+        prefix = self.link.prefix
+        node_key = nodekeys.drain_key(prefix)
         value = claim.encode() if claim else None
+        boot = boot_id(ctx.root) or ""
 
         def change(view: NodeView) -> dict[str, str | None]:
             after = {k: v for k, v in view.annotations.items() if k != own}
+            patch: dict[str, str | None] = dict.fromkeys(hs.stale_claims(after, prefix, boot))
             if value is not None:
                 after[own] = value
-            return {own: value, node_key: hs.node_value(after, self.link.prefix)}
+            patch[own] = value
+            patch[node_key] = hs.node_value(after, prefix, boot)
+            return patch
 
         return writer.update(change)
 

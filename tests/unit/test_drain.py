@@ -204,10 +204,30 @@ def test_outcome_of(state: str, code: str, outcome: str | None) -> None:
         ),
         ({"p.io/a.drain": "garbage", "other.io/b.drain": claim().encode()}, hs.IDLE),
         ({"p.io/drain": hs.DRAIN_REQUIRED}, hs.IDLE),  # the node-wide key is not a claim
+        # a claim of an earlier boot asks for nothing any more (the issue's `gone` instance)
+        ({"p.io/gone.drain": "Reboot_Required boot=boot-before since=1"}, hs.IDLE),
+        (
+            {
+                "p.io/gone.drain": claim(hs.REBOOT_REQUIRED, boot="boot-before").encode(),
+                "p.io/a.drain": claim().encode(),
+            },
+            hs.DRAIN_REQUIRED,
+        ),
+        ({"p.io/a.drain": "Drain_Required since=1"}, hs.DRAIN_REQUIRED),  # no boot: counts
     ],
 )
-def test_node_value_is_the_strongest_claim(claims: dict[str, str], value: str) -> None:
-    assert hs.node_value(claims, "p.io") == value
+def test_node_value_is_the_strongest_claim_of_this_boot(claims: dict[str, str], value: str) -> None:
+    assert hs.node_value(claims, "p.io", BOOT) == value
+
+
+def test_stale_claims_are_those_of_other_boots() -> None:
+    claims = {
+        "p.io/gone.drain": claim(boot="boot-before").encode(),
+        "p.io/a.drain": claim().encode(),
+        "p.io/b.drain": "garbage",
+        "q.io/c.drain": claim(boot="boot-before").encode(),
+    }
+    assert hs.stale_claims(claims, "p.io", BOOT) == ["p.io/gone.drain"]
 
 
 @pytest.mark.parametrize("text", ["", "Idle", "Drain_Required boot=b since=zz", "Drain_Required"])
@@ -394,6 +414,36 @@ def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: 
         annotations=lambda _v: {"kvcd.io/e2e.drain": old, "kvcd.io/drain": "Reboot_Required"}
     )
     rec = service().reconcile([Event("start", kind=RETRY)])
+    assert rec is not None and rec.state == "Done"
+    assert ann(host)["kvcd.io/drain"] == "Idle"
+
+
+def blocked_and_claimed(host: HostRoot, service: Any) -> Service:
+    """Loaded 1.0, foo holds kvcd_user, 2.0 configured and reloaded: the change is blocked."""
+    svc: Service = service()
+    svc.reconcile([Event("start", kind=RETRY)])
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    return svc
+
+
+def test_a_claim_of_an_earlier_boot_does_not_ask_again(host: HostRoot, service: Any) -> None:
+    """Another instance (`gone`, whose config was removed) left a Reboot_Required claim before
+    the reboot: kvcd's own handshake neither repeats its request nor keeps it on the node."""
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/gone.drain": "Reboot_Required boot=boot-before since=1",
+            "kvcd.io/drain": "Idle",
+        }
+    )
+    svc = blocked_and_claimed(host, service)
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Drain_Required"
+    assert "kvcd.io/gone.drain" not in a
+    release(host, "kvcd_user", "foo")
+    controller(host, "DrainComplete")
+    rec = svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
     assert rec is not None and rec.state == "Done"
     assert ann(host)["kvcd.io/drain"] == "Idle"
 
