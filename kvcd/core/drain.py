@@ -21,8 +21,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcd.core.state import (
     DRAIN_PENDING,
@@ -40,6 +41,9 @@ REBOOT_REQUIRED = "Reboot_Required"
 DRAINING = "Draining"
 DRAIN_COMPLETE = "DrainComplete"
 
+# A claim's time may be this far ahead of the clock (seconds) and still be taken as it is; further
+# ahead (the clock was set back, NTP at boot; or written by hand) it counts from now: settled().
+FUTURE_SLACK = 60.0
 
 # before(): what to do with the coming reconcile.
 PROCEED = "proceed"
@@ -72,7 +76,8 @@ class Claim:
 
     @classmethod
     def decode(cls, text: str | None) -> Claim | None:
-        """None for a missing or unreadable claim (an unreadable one is treated as absent)."""
+        """None for a missing or unreadable claim (an unreadable one is treated as absent). A
+        since that is not a finite number (nan, inf) is unreadable."""
         if not text:
             return None
         parts = text.split()
@@ -82,6 +87,8 @@ class Claim:
         try:
             since = float(fields.get("since", "0"))
         except ValueError:
+            return None
+        if not math.isfinite(since):
             return None
         return cls(parts[0], fields.get("boot", ""), since)
 
@@ -162,12 +169,27 @@ def before(claim: Claim | None, current: str, now: float, timeout: float, boot_i
     return BEFORE[(claimed, current_value(current), expired)]
 
 
+def remaining(claim: Claim, now: float, timeout: float) -> float:
+    """Seconds until the claim expires, within [0, timeout] whatever its time says."""
+    left = claim.since + timeout - now
+    if math.isnan(left):
+        return timeout
+    return min(max(0.0, left), timeout)
+
+
 def stale(claim: Claim | None, boot_id: str) -> bool:
     return claim is not None and bool(claim.boot_id) and bool(boot_id) and claim.boot_id != boot_id
 
 
 def after(claim: Claim | None, current: str, outcome: str) -> tuple[str, str, str]:
     return AFTER[(claim.kind if claim else "", current_value(current), outcome)]
+
+
+def settled(claim: Claim, now: float) -> Claim:
+    """The claim as it should stand on the node (the daemon writes it back when it differs): a
+    time further in the future than FUTURE_SLACK restarted at now, so it still times out."""
+    since = now if claim.since > now + FUTURE_SLACK else claim.since
+    return replace(claim, since=since)
 
 
 def outcome_of(state: str, code: str) -> str | None:

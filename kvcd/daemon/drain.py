@@ -10,7 +10,10 @@ an unload failed outright) and holds Working until the drain controller answers
 `<p>/drain-current = DrainComplete`; then the change is applied and the claim withdrawn (the last
 claim withdrawn writes `<p>/drain = Idle`). No answer within `drain_timeout` -> Degraded
 (DrainTimeout) and the claim is withdrawn. All of it is re-derived from the node on every
-reconcile, so a restart in the middle continues the handshake.
+reconcile, so a restart in the middle continues the handshake. Each look at the node settles
+our claim there (kvcd.core.drain.settled): a time ahead of the clock restarts at now. Every
+claim written also removes the claims of earlier boots, and the node-wide request counts only
+this boot's.
 """
 
 from __future__ import annotations
@@ -124,13 +127,14 @@ class Drain(Extension):
     def _arm(self, ctx: Context, claim: hs.Claim) -> None:
         """A timer event when the claim expires (the watch brings DrainComplete earlier)."""
         self._cancel()
-        delay = max(0.0, claim.since + ctx.settings.drain_timeout - self.clock()) + 1.0
+        delay = hs.remaining(claim, self.clock(), ctx.settings.drain_timeout) + 1.0
         self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "timeout", kind=RETRY),))
         self._timer.daemon = True
         self._timer.start()
 
     # --- the handshake -----------------------------------------------------------------------
     def _read(self, ctx: Context) -> tuple[hs.Claim | None, str] | None:
+        """Our claim and drain-current, the claim settled on the node (hs.settled)."""
         writer = self.link.writer
         view = writer.read() if writer is not None else None
         if view is None:
@@ -138,7 +142,12 @@ class Drain(Extension):
         keys = self.link.keys(ctx)
         claim = hs.Claim.decode(view.annotations.get(keys.drain_request))
         current = view.annotations.get(nodekeys.drain_current_key(self.link.prefix), "")
-        return claim, current
+        if claim is None or hs.stale(claim, boot_id(ctx.root) or ""):
+            return claim, current
+        settled = hs.settled(claim, self.clock())
+        if settled != claim:
+            self._set_claim(ctx, settled)
+        return settled, current
 
     def _set_claim(self, ctx: Context, claim: hs.Claim | None) -> bool:
         """Write (or withdraw) our claim and the node-wide request in one atomic update,

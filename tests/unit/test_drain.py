@@ -177,6 +177,38 @@ def test_after_table_is_the_rows() -> None:
     assert {(k, c, o): (a, s, r) for k, c, o, a, s, r in AFTER_TABLE} == hs.AFTER
 
 
+# claim, now -> the claim as it should stand on the node
+SETTLED_ROWS = [
+    (claim(), T0 + 5, claim()),
+    (claim(since=T0 + 30), T0, claim(since=T0 + 30)),  # within the slack: as it is
+    (claim(since=T0 + 3600), T0, claim(since=T0)),  # clock set back: counts from now
+    (claim(since=1e300), T0, claim(since=T0)),
+]
+
+
+@pytest.mark.parametrize(("c", "now", "settled"), SETTLED_ROWS)
+def test_settled(c: hs.Claim, now: float, settled: hs.Claim) -> None:
+    assert hs.settled(c, now) == settled
+
+
+# since, now -> seconds until the claim expires: finite, within [0, timeout]
+@pytest.mark.parametrize(
+    ("since", "now", "left"),
+    [
+        (T0, T0, TIMEOUT),
+        (T0, T0 + 100, TIMEOUT - 100),
+        (T0, T0 + 10 * TIMEOUT, 0.0),
+        (T0 + 3600, T0, TIMEOUT),  # in the future: never more than the timeout
+        (1e300, T0, TIMEOUT),
+        (float("inf"), T0, TIMEOUT),
+        (float("nan"), T0, TIMEOUT),
+        (float("-inf"), T0, 0.0),
+    ],
+)
+def test_remaining(since: float, now: float, left: float) -> None:
+    assert hs.remaining(claim(since=since), now, TIMEOUT) == left
+
+
 @pytest.mark.parametrize(
     ("state", "code", "outcome"),
     [
@@ -230,14 +262,30 @@ def test_stale_claims_are_those_of_other_boots() -> None:
     assert hs.stale_claims(claims, "p.io", BOOT) == ["p.io/gone.drain"]
 
 
-@pytest.mark.parametrize("text", ["", "Idle", "Drain_Required boot=b since=zz", "Drain_Required"])
-def test_claim_decode(text: str) -> None:
-    c = hs.Claim.decode(text)
-    if text == "Drain_Required":
-        assert c == hs.Claim(hs.DRAIN_REQUIRED, "", 0.0)
-    else:
-        assert c is None
-    assert hs.Claim.decode(claim().encode()) == claim()
+@pytest.mark.parametrize(
+    ("text", "decoded"),
+    [
+        ("", None),
+        ("Idle", None),
+        ("Drain_Required boot=b since=zz", None),
+        ("Drain_Required", hs.Claim(hs.DRAIN_REQUIRED, "", 0.0)),
+        # a time that is no time: unreadable (treated as absent, replaced by a fresh claim)
+        ("Drain_Required boot=b since=nan", None),
+        ("Drain_Required boot=b since=inf", None),
+        ("Drain_Required boot=b since=-inf", None),
+        ("Drain_Required boot=b since=1e999", None),
+        # a far-off time reads as it is; settled() restarts it at now
+        ("Drain_Required boot=b since=1e300", hs.Claim(hs.DRAIN_REQUIRED, "b", 1e300)),
+        ("Drain_Required boot=b since=5", hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0)),
+    ],
+)
+def test_claim_decode(text: str, decoded: hs.Claim | None) -> None:
+    assert hs.Claim.decode(text) == decoded
+
+
+@pytest.mark.parametrize("c", [claim(), claim(hs.REBOOT_REQUIRED)])
+def test_claim_round_trip(c: hs.Claim) -> None:
+    assert hs.Claim.decode(c.encode()) == c
 
 
 # --- the extension through the `kvcd run` loop -----------------------------------------------
@@ -426,6 +474,63 @@ def blocked_and_claimed(host: HostRoot, service: Any) -> Service:
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
     svc.reconcile([Event("signal", "reload", kind=RETRY)])
     return svc
+
+
+class Timers:
+    """threading.Timer in kvcd.daemon.drain, recording the delays (nothing is started)."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, delay: float, _fn: Any, _args: Any = ()) -> Any:
+        self.delays.append(delay)
+        delays = self.delays
+
+        class T:
+            daemon = False
+
+            def start(self) -> None:
+                assert delays
+
+            def cancel(self) -> None:
+                pass
+
+        return T()
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "1e300", f"{T0 + 3600:.0f}"])
+def test_a_claim_of_no_time_or_a_future_one_still_times_out(
+    host: HostRoot, service: Any, monkeypatch: pytest.MonkeyPatch, since: str
+) -> None:
+    """An unreadable since (nan, inf) is no claim: the blocked change claims afresh. One in the
+    future (a clock set back at boot, a hand-written 1e300) counts from now. Either way the
+    claim times out after drain_timeout, and the timer never waits longer than that."""
+    import kvcd.daemon.drain as daemon_drain
+
+    timers = Timers()
+    monkeypatch.setattr(daemon_drain.threading, "Timer", timers)
+    svc = service()
+    svc.reconcile([Event("start", kind=RETRY)])
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/e2e.drain": f"Drain_Required boot={BOOT} since={since}",
+            "kvcd.io/drain": "Drain_Required",
+        }
+    )
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Working", rec.reason
+    assert ann(host)["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    assert timers.delays and all(0 <= d <= TIMEOUT + 1 for d in timers.delays), timers.delays
+
+    service.clock.now = T0 + TIMEOUT + 1
+    rec = svc.reconcile([Event("drain", "timeout", kind=RETRY)])
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith("DrainTimeout: no DrainComplete within 600s")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
 
 
 def test_a_claim_of_an_earlier_boot_does_not_ask_again(host: HostRoot, service: Any) -> None:
