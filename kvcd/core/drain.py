@@ -12,7 +12,11 @@ left cordoned for kvcd.
 
 Only claims of the running boot count: one of an earlier boot asked for a reboot or a drain that
 has happened since (its instance may be gone for good), so it is no request any more, and the
-next claim written on the node removes it.
+next claim written on the node removes it. A DrainComplete already on the node when a claim is
+made answers an earlier request (the reference's step 11, "operator marks current-state Idle",
+has not come yet): unless a standing claim of this boot counts it (the node stays drained while
+one stands; joining it is the shared request), the claim records it (`seen=DrainComplete`) and
+waits for drain-current to move (through Idle or Draining, noted on the node) and come back.
 
 Everything is re-derived from the node's annotations and the host on every reconcile: a restart
 in the middle of the handshake continues where it was (rows marked "restart" in the tests).
@@ -65,14 +69,20 @@ NOTHING = "nothing"
 
 @dataclass(frozen=True)
 class Claim:
-    """One instance's request, as stored in its `<p>/<stem>.drain` annotation."""
+    """One instance's request, as stored in its `<p>/<stem>.drain` annotation:
+    `<kind> boot=<boot id> since=<unix time>[ seen=DrainComplete]` (fields in any order, unknown
+    ones ignored, so the claim of an older or newer kvcd reads)."""
 
     kind: str  # DRAIN_REQUIRED | REBOOT_REQUIRED
     boot_id: str
     since: float
+    # DRAIN_COMPLETE: that answer was on the node when the claim was made and answers an earlier
+    # request; it is not this claim's until drain-current has moved. "" otherwise.
+    seen: str = ""
 
     def encode(self) -> str:
-        return f"{self.kind} boot={self.boot_id} since={self.since:.0f}"
+        text = f"{self.kind} boot={self.boot_id} since={self.since:.0f}"
+        return text + (f" seen={self.seen}" if self.seen else "")
 
     @classmethod
     def decode(cls, text: str | None) -> Claim | None:
@@ -90,7 +100,8 @@ class Claim:
             return None
         if not math.isfinite(since):
             return None
-        return cls(parts[0], fields.get("boot", ""), since)
+        seen = DRAIN_COMPLETE if fields.get("seen") == DRAIN_COMPLETE else ""
+        return cls(parts[0], fields.get("boot", ""), since, seen)
 
 
 # before(claimed, current, expired) -> action. A claim from an earlier boot is stale (the reboot
@@ -160,13 +171,21 @@ def current_value(text: str | None) -> str:
     return text if text in (DRAINING, DRAIN_COMPLETE) else IDLE
 
 
+def answer(claim: Claim | None, current: str) -> str:
+    """The controller's answer to this claim: a DrainComplete the claim was made over is none."""
+    value = current_value(current)
+    if claim is not None and claim.seen == DRAIN_COMPLETE and value == DRAIN_COMPLETE:
+        return IDLE
+    return value
+
+
 def before(claim: Claim | None, current: str, now: float, timeout: float, boot_id: str) -> str:
     """PROCEED | WAIT | TIMEOUT for the coming reconcile. A claim from another boot is stale."""
-    if claim is not None and claim.boot_id and boot_id and claim.boot_id != boot_id:
-        return PROCEED  # the caller withdraws it (see stale())
+    if stale(claim, boot_id):
+        return PROCEED  # the caller withdraws it
     claimed = claim is not None
-    expired = claimed and claim is not None and now - claim.since > timeout
-    return BEFORE[(claimed, current_value(current), expired)]
+    expired = claim is not None and now - claim.since > timeout
+    return BEFORE[(claimed, answer(claim, current), expired)]
 
 
 def remaining(claim: Claim, now: float, timeout: float) -> float:
@@ -182,14 +201,34 @@ def stale(claim: Claim | None, boot_id: str) -> bool:
 
 
 def after(claim: Claim | None, current: str, outcome: str) -> tuple[str, str, str]:
-    return AFTER[(claim.kind if claim else "", current_value(current), outcome)]
+    return AFTER[(claim.kind if claim else "", answer(claim, current), outcome)]
 
 
-def settled(claim: Claim, now: float) -> Claim:
-    """The claim as it should stand on the node (the daemon writes it back when it differs): a
-    time further in the future than FUTURE_SLACK restarted at now, so it still times out."""
+def new_claim(
+    kind: str,
+    boot_id: str,
+    now: float,
+    current: str,
+    annotations: Mapping[str, str],
+    prefix: str,
+) -> Claim:
+    """The claim to make now, over the node's `annotations` (the other claims) and drain-current:
+    a DrainComplete no standing claim of this boot counts answers a withdrawn request."""
+    value = current_value(current)
+    shared = any(
+        answer(c, value) == DRAIN_COMPLETE for _k, c in claims(annotations, prefix, boot_id)
+    )
+    left_over = value == DRAIN_COMPLETE and not shared
+    return Claim(kind, boot_id, now, DRAIN_COMPLETE if left_over else "")
+
+
+def settled(claim: Claim, current: str, now: float) -> Claim:
+    """The claim as it should stand on the node (the daemon writes it back when it differs):
+    `seen` dropped once drain-current has moved from it (the next DrainComplete is the answer);
+    a time further in the future than FUTURE_SLACK restarted at now, so it still times out."""
+    seen = claim.seen if current_value(current) == claim.seen else ""
     since = now if claim.since > now + FUTURE_SLACK else claim.since
-    return replace(claim, since=since)
+    return replace(claim, seen=seen, since=since)
 
 
 def outcome_of(state: str, code: str) -> str | None:

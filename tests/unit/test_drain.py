@@ -62,6 +62,11 @@ def test_before_table_is_the_rows() -> None:
     assert dict(BEFORE_TABLE) == hs.BEFORE
 
 
+def leftover(kind: str = hs.DRAIN_REQUIRED, since: float = T0) -> hs.Claim:
+    """A claim made while drain-current still held the answer to an earlier, withdrawn request."""
+    return hs.Claim(kind, BOOT, since, seen=hs.DRAIN_COMPLETE)
+
+
 # claim, drain-current, now -> before(): how the table is entered
 BEFORE_ROWS = [
     (None, "", T0, hs.PROCEED),
@@ -77,6 +82,11 @@ BEFORE_ROWS = [
     (claim(since=T0 - 30), hs.DRAINING, T0, hs.WAIT),
     # restart after a reboot: the claim is from another boot -> stale, proceed
     (claim(hs.REBOOT_REQUIRED, boot="old-boot"), hs.DRAINING, T0, hs.PROCEED),
+    # a DrainComplete already there when the claim was made answers an earlier request
+    (leftover(), hs.DRAIN_COMPLETE, T0 + 1, hs.WAIT),
+    (leftover(), hs.DRAIN_COMPLETE, T0 + TIMEOUT + 1, hs.TIMEOUT),
+    (leftover(hs.REBOOT_REQUIRED), hs.DRAIN_COMPLETE, T0 + 1, hs.WAIT),
+    (leftover(), hs.DRAINING, T0 + 1, hs.WAIT),
 ]
 
 
@@ -177,18 +187,66 @@ def test_after_table_is_the_rows() -> None:
     assert {(k, c, o): (a, s, r) for k, c, o, a, s, r in AFTER_TABLE} == hs.AFTER
 
 
-# claim, now -> the claim as it should stand on the node
-SETTLED_ROWS = [
-    (claim(), T0 + 5, claim()),
-    (claim(since=T0 + 30), T0, claim(since=T0 + 30)),  # within the slack: as it is
-    (claim(since=T0 + 3600), T0, claim(since=T0)),  # clock set back: counts from now
-    (claim(since=1e300), T0, claim(since=T0)),
+def test_a_left_over_drain_complete_is_not_the_answer_after_either() -> None:
+    # The change ran anyway (a restart, a DrainComplete that came and went unseen) and is still
+    # blocked: nothing was drained for this claim, so it waits rather than "still in use after".
+    assert hs.after(leftover(), hs.DRAIN_COMPLETE, hs.BLOCKED) == (
+        hs.KEEP,
+        "Working",
+        state.DRAIN_PENDING,
+    )
+
+
+def live(kind: str = hs.DRAIN_REQUIRED, seen: str = "") -> str:
+    return hs.Claim(kind, BOOT, T0, seen=seen).encode()
+
+
+# drain-current, the other claims on the node -> the `seen` of a claim made now
+NEW_CLAIM_ROWS = [
+    ("", {}, ""),
+    (hs.DRAINING, {}, ""),
+    (hs.DRAIN_COMPLETE, {}, hs.DRAIN_COMPLETE),  # answers a request withdrawn since
+    # answers a request still standing (the node stays drained for it): shared, it counts
+    (hs.DRAIN_COMPLETE, {"p.io/a.drain": live()}, ""),
+    # ... unless that one is itself waiting for a fresh answer
+    (hs.DRAIN_COMPLETE, {"p.io/a.drain": live(seen=hs.DRAIN_COMPLETE)}, hs.DRAIN_COMPLETE),
+    # a claim of an earlier boot stands for nothing
+    (
+        hs.DRAIN_COMPLETE,
+        {"p.io/a.drain": hs.Claim(hs.DRAIN_REQUIRED, "old", T0).encode()},
+        hs.DRAIN_COMPLETE,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("c", "now", "settled"), SETTLED_ROWS)
-def test_settled(c: hs.Claim, now: float, settled: hs.Claim) -> None:
-    assert hs.settled(c, now) == settled
+@pytest.mark.parametrize(("current", "others", "seen"), NEW_CLAIM_ROWS)
+def test_new_claim_records_a_left_over_answer(
+    current: str, others: dict[str, str], seen: str
+) -> None:
+    c = hs.new_claim(hs.DRAIN_REQUIRED, BOOT, T0, current, others, "p.io")
+    assert c == hs.Claim(hs.DRAIN_REQUIRED, BOOT, T0, seen=seen)
+
+
+def test_the_issue_repro_a_left_over_drain_complete_does_not_answer_a_new_claim() -> None:
+    new = hs.new_claim(hs.DRAIN_REQUIRED, BOOT, T0, hs.DRAIN_COMPLETE, {}, "p.io")
+    assert hs.before(new, hs.DRAIN_COMPLETE, T0 + 1, TIMEOUT, BOOT) == hs.WAIT
+
+
+# claim, drain-current, now -> the claim as it should stand on the node
+SETTLED_ROWS = [
+    (claim(), hs.DRAINING, T0 + 5, claim()),
+    (leftover(), hs.DRAIN_COMPLETE, T0 + 5, leftover()),  # not moved yet
+    (leftover(), hs.IDLE, T0 + 5, claim()),  # moved: the next DrainComplete is the answer
+    (leftover(), hs.DRAINING, T0 + 5, claim()),
+    (claim(since=T0 + 30), "", T0, claim(since=T0 + 30)),  # within the slack: as it is
+    (claim(since=T0 + 3600), "", T0, claim(since=T0)),  # clock set back: counts from now
+    (claim(since=1e300), "", T0, claim(since=T0)),
+]
+
+
+@pytest.mark.parametrize(("c", "current", "now", "settled"), SETTLED_ROWS)
+def test_settled(c: hs.Claim, current: str, now: float, settled: hs.Claim) -> None:
+    assert hs.settled(c, current, now) == settled
 
 
 # since, now -> seconds until the claim expires: finite, within [0, timeout]
@@ -276,16 +334,27 @@ def test_stale_claims_are_those_of_other_boots() -> None:
         ("Drain_Required boot=b since=1e999", None),
         # a far-off time reads as it is; settled() restarts it at now
         ("Drain_Required boot=b since=1e300", hs.Claim(hs.DRAIN_REQUIRED, "b", 1e300)),
+        # the claim as older kvcd wrote it, and as this one writes it over a left-over answer
         ("Drain_Required boot=b since=5", hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0)),
+        (
+            "Drain_Required boot=b since=5 seen=DrainComplete",
+            hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0, seen=hs.DRAIN_COMPLETE),
+        ),
+        ("Drain_Required boot=b since=5 seen=Draining", hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0)),
     ],
 )
 def test_claim_decode(text: str, decoded: hs.Claim | None) -> None:
     assert hs.Claim.decode(text) == decoded
 
 
-@pytest.mark.parametrize("c", [claim(), claim(hs.REBOOT_REQUIRED)])
+@pytest.mark.parametrize("c", [claim(), leftover(), claim(hs.REBOOT_REQUIRED)])
 def test_claim_round_trip(c: hs.Claim) -> None:
     assert hs.Claim.decode(c.encode()) == c
+
+
+def test_claim_encoding_is_the_old_one_unless_over_a_left_over_answer() -> None:
+    assert claim().encode() == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    assert leftover().encode() == f"Drain_Required boot={BOOT} since={T0:.0f} seen=DrainComplete"
 
 
 # --- the extension through the `kvcd run` loop -----------------------------------------------
@@ -474,6 +543,71 @@ def blocked_and_claimed(host: HostRoot, service: Any) -> Service:
     fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
     svc.reconcile([Event("signal", "reload", kind=RETRY)])
     return svc
+
+
+def test_a_left_over_drain_complete_is_not_the_answer(host: HostRoot, service: Any) -> None:
+    """The previous handshake ended; the controller has not reset drain-current to Idle yet when
+    a new change is blocked. That DrainComplete answered the earlier request: kvcd waits for
+    the controller to go through Idle/Draining to a DrainComplete of its own."""
+    controller(host, "DrainComplete")
+    svc = blocked_and_claimed(host, service)
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Drain_Required"
+    assert a["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f} seen=DrainComplete"
+
+    rec = svc.reconcile([Event("drain", "retry", kind=RETRY)])  # the next cycle
+    assert rec is not None and rec.state == "Working", rec.reason
+    assert rec.reason.startswith("DrainRequired: Drain_Required requested; waiting for")
+    assert "(now DrainComplete, left from an earlier request)" in rec.reason
+    assert "kvcd.io/e2e.drain" in ann(host)
+
+    controller(host, "Idle")  # the controller uncordons after the earlier request ...
+    rec = svc.reconcile([Event("drain", "Idle", kind=RETRY)])
+    assert rec is not None and rec.state == "Working"
+    assert ann(host)["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    controller(host, "Draining")  # ... then drains for this one
+    release(host, "kvcd_user", "foo")
+    controller(host, "DrainComplete")
+    rec = svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
+    assert rec is not None and (rec.state, rec.version) == ("Done", "2.0")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+
+
+def test_a_drain_complete_of_a_standing_request_is_shared(host: HostRoot) -> None:
+    """b is blocked while a's request stands answered (the node is drained and stays so while a
+    claim stands): b's claim joins it and proceeds. Once a withdrew, a DrainComplete still there
+    answers nobody: c waits for a fresh one."""
+    settings = load_settings(host)
+    cfg = load_instance(host, "e2e")
+    exts = {}
+    for name in ("a", "b", "c"):
+        link = NodeLink(settings, opener=lambda c: FileBackend(c.root, "n1"))
+        ctx = Context(host, name, K, settings, cfg, lambda _e: None)
+        ext = Drain(link, clock=Clock())
+        ext.start(ctx)
+        exts[name] = (ext, ctx)
+    blocked = Record("x", "Degraded", "ModuleInUse", "kvcd_user is held by foo (refcnt 1)")
+    try:
+        ext, ctx = exts["a"]
+        assert ext.after(ctx, blocked) is not None
+        controller(host, "DrainComplete")
+        ext, ctx = exts["b"]
+        assert ext.after(ctx, blocked) is not None
+        assert "seen=" not in ann(host)["kvcd.io/b.drain"]
+        assert ext.verdict(ctx, []) is None  # proceed: the node is drained
+        for name in ("a", "b"):
+            ext, ctx = exts[name]
+            ext.after(ctx, Record(name, "Done"))
+        assert ann(host)["kvcd.io/drain"] == "Idle"
+        ext, ctx = exts["c"]
+        assert ext.after(ctx, blocked) is not None
+        assert ann(host)["kvcd.io/c.drain"].endswith(" seen=DrainComplete")
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == HOLD and v.state == "Working"
+    finally:
+        for ext, _ctx in exts.values():
+            ext.stop()
 
 
 class Timers:
@@ -714,6 +848,31 @@ def test_stop_with_drain_waits_for_drain_complete_then_unloads(
     a = ann(host)
     assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
     assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in svc.notify.sent)  # type: ignore[attr-defined]
+
+
+def test_stop_with_drain_does_not_take_a_left_over_drain_complete(
+    host: HostRoot, service: Any
+) -> None:
+    svc = stopping_service(host, service, state.UNLOAD_DRAIN)
+    controller(host, "DrainComplete")  # the previous handshake's answer, not reset yet
+    hold(host, "kvcd_user", "foo")
+    seen: list[dict[str, str]] = []
+
+    def sleep(_seconds: float) -> None:  # the drain controller, between kvcd's looks
+        seen.append(ann(host))
+        if len(seen) == 1:
+            controller(host, "Idle")
+        elif len(seen) == 2:
+            release(host, "kvcd_user", "foo")
+            controller(host, "DrainComplete")
+
+    drain_of(svc).sleep = sleep
+    assert svc.stop() == 0
+    assert loaded(host) == []
+    assert len(seen) == 2
+    assert seen[0]["kvcd.io/e2e.drain"].endswith(" seen=DrainComplete")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
 
 
 @pytest.mark.parametrize("answer", ["timeout", "still-held"])
