@@ -7,7 +7,16 @@ the strongest claim of all instances (Reboot_Required > Drain_Required > Idle): 
 node, shared. The cluster's drain controller answers in `<p>/drain-current`
 (Idle | Draining | DrainComplete). On DrainComplete kvcd applies its change and withdraws its
 claim; the last claim withdrawn writes `<p>/drain = Idle`. No answer within the timeout ->
-Degraded (DrainTimeout) and the claim is withdrawn, so a node is never left cordoned for kvcd.
+Degraded (DrainTimeout) and the claim is withdrawn (Reboot_Required too), so a node is never
+left cordoned for kvcd.
+
+Only claims of the running boot count: one of an earlier boot asked for a reboot or a drain that
+has happened since (its instance may be gone for good), so it is no request any more, and the
+next claim written on the node removes it. A DrainComplete already on the node when a claim is
+made answers an earlier request (the reference's step 11, "operator marks current-state Idle",
+has not come yet): unless a standing claim of this boot counts it (the node stays drained while
+one stands; joining it is the shared request), the claim records it (`seen=DrainComplete`) and
+waits for drain-current to move (through Idle or Draining, noted on the node) and come back.
 
 Everything is re-derived from the node's annotations and the host on every reconcile: a restart
 in the middle of the handshake continues where it was (rows marked "restart" in the tests).
@@ -16,8 +25,9 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 
 from kvcd.core.state import (
     DRAIN_PENDING,
@@ -35,6 +45,9 @@ REBOOT_REQUIRED = "Reboot_Required"
 DRAINING = "Draining"
 DRAIN_COMPLETE = "DrainComplete"
 
+# A claim's time may be this far ahead of the clock (seconds) and still be taken as it is; further
+# ahead (the clock was set back, NTP at boot; or written by hand) it counts from now: settled().
+FUTURE_SLACK = 60.0
 
 # before(): what to do with the coming reconcile.
 PROCEED = "proceed"
@@ -56,18 +69,25 @@ NOTHING = "nothing"
 
 @dataclass(frozen=True)
 class Claim:
-    """One instance's request, as stored in its `<p>/<stem>.drain` annotation."""
+    """One instance's request, as stored in its `<p>/<stem>.drain` annotation:
+    `<kind> boot=<boot id> since=<unix time>[ seen=DrainComplete]` (fields in any order, unknown
+    ones ignored, so the claim of an older or newer kvcd reads)."""
 
     kind: str  # DRAIN_REQUIRED | REBOOT_REQUIRED
     boot_id: str
     since: float
+    # DRAIN_COMPLETE: that answer was on the node when the claim was made and answers an earlier
+    # request; it is not this claim's until drain-current has moved. "" otherwise.
+    seen: str = ""
 
     def encode(self) -> str:
-        return f"{self.kind} boot={self.boot_id} since={self.since:.0f}"
+        text = f"{self.kind} boot={self.boot_id} since={self.since:.0f}"
+        return text + (f" seen={self.seen}" if self.seen else "")
 
     @classmethod
     def decode(cls, text: str | None) -> Claim | None:
-        """None for a missing or unreadable claim (an unreadable one is treated as absent)."""
+        """None for a missing or unreadable claim (an unreadable one is treated as absent). A
+        since that is not a finite number (nan, inf) is unreadable."""
         if not text:
             return None
         parts = text.split()
@@ -78,7 +98,10 @@ class Claim:
             since = float(fields.get("since", "0"))
         except ValueError:
             return None
-        return cls(parts[0], fields.get("boot", ""), since)
+        if not math.isfinite(since):
+            return None
+        seen = DRAIN_COMPLETE if fields.get("seen") == DRAIN_COMPLETE else ""
+        return cls(parts[0], fields.get("boot", ""), since, seen)
 
 
 # before(claimed, current, expired) -> action. A claim from an earlier boot is stale (the reboot
@@ -125,7 +148,9 @@ AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
     (DRAIN_REQUIRED, IDLE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
     (DRAIN_REQUIRED, DRAINING, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
     (DRAIN_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (REQUEST_REBOOT, "Degraded", REBOOT_PENDING),
-    # Reboot claimed: only a reboot (a new boot id, handled in before()) clears it.
+    # Reboot claimed: kept while the module stays stuck (a reboot, a new boot id, clears it:
+    # stale()); withdrawn once the change went through, or on any other failure, DrainTimeout
+    # included: the next attempt that finds the module stuck asks again.
     (REBOOT_REQUIRED, IDLE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
     (REBOOT_REQUIRED, DRAINING, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
     (REBOOT_REQUIRED, DRAIN_COMPLETE, UNLOADABLE): (KEEP, "Degraded", REBOOT_PENDING),
@@ -135,9 +160,9 @@ AFTER: dict[tuple[str, str, str], tuple[str, str, str]] = {
     (REBOOT_REQUIRED, IDLE, APPLIED): (RELEASE, "", ""),
     (REBOOT_REQUIRED, DRAINING, APPLIED): (RELEASE, "", ""),
     (REBOOT_REQUIRED, DRAIN_COMPLETE, APPLIED): (RELEASE, "", ""),
-    (REBOOT_REQUIRED, IDLE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
-    (REBOOT_REQUIRED, DRAINING, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
-    (REBOOT_REQUIRED, DRAIN_COMPLETE, FAILED): (KEEP, "Degraded", REBOOT_PENDING),
+    (REBOOT_REQUIRED, IDLE, FAILED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAINING, FAILED): (RELEASE, "", ""),
+    (REBOOT_REQUIRED, DRAIN_COMPLETE, FAILED): (RELEASE, "", ""),
 }
 
 
@@ -146,13 +171,29 @@ def current_value(text: str | None) -> str:
     return text if text in (DRAINING, DRAIN_COMPLETE) else IDLE
 
 
+def answer(claim: Claim | None, current: str) -> str:
+    """The controller's answer to this claim: a DrainComplete the claim was made over is none."""
+    value = current_value(current)
+    if claim is not None and claim.seen == DRAIN_COMPLETE and value == DRAIN_COMPLETE:
+        return IDLE
+    return value
+
+
 def before(claim: Claim | None, current: str, now: float, timeout: float, boot_id: str) -> str:
     """PROCEED | WAIT | TIMEOUT for the coming reconcile. A claim from another boot is stale."""
-    if claim is not None and claim.boot_id and boot_id and claim.boot_id != boot_id:
-        return PROCEED  # the caller withdraws it (see stale())
+    if stale(claim, boot_id):
+        return PROCEED  # the caller withdraws it
     claimed = claim is not None
-    expired = claimed and claim is not None and now - claim.since > timeout
-    return BEFORE[(claimed, current_value(current), expired)]
+    expired = claim is not None and now - claim.since > timeout
+    return BEFORE[(claimed, answer(claim, current), expired)]
+
+
+def remaining(claim: Claim, now: float, timeout: float) -> float:
+    """Seconds until the claim expires, within [0, timeout] whatever its time says."""
+    left = claim.since + timeout - now
+    if math.isnan(left):
+        return timeout
+    return min(max(0.0, left), timeout)
 
 
 def stale(claim: Claim | None, boot_id: str) -> bool:
@@ -160,7 +201,34 @@ def stale(claim: Claim | None, boot_id: str) -> bool:
 
 
 def after(claim: Claim | None, current: str, outcome: str) -> tuple[str, str, str]:
-    return AFTER[(claim.kind if claim else "", current_value(current), outcome)]
+    return AFTER[(claim.kind if claim else "", answer(claim, current), outcome)]
+
+
+def new_claim(
+    kind: str,
+    boot_id: str,
+    now: float,
+    current: str,
+    annotations: Mapping[str, str],
+    prefix: str,
+) -> Claim:
+    """The claim to make now, over the node's `annotations` (the other claims) and drain-current:
+    a DrainComplete no standing claim of this boot counts answers a withdrawn request."""
+    value = current_value(current)
+    shared = any(
+        answer(c, value) == DRAIN_COMPLETE for _k, c in claims(annotations, prefix, boot_id)
+    )
+    left_over = value == DRAIN_COMPLETE and not shared
+    return Claim(kind, boot_id, now, DRAIN_COMPLETE if left_over else "")
+
+
+def settled(claim: Claim, current: str, now: float) -> Claim:
+    """The claim as it should stand on the node (the daemon writes it back when it differs):
+    `seen` dropped once drain-current has moved from it (the next DrainComplete is the answer);
+    a time further in the future than FUTURE_SLACK restarted at now, so it still times out."""
+    seen = claim.seen if current_value(current) == claim.seen else ""
+    since = now if claim.since > now + FUTURE_SLACK else claim.since
+    return replace(claim, seen=seen, since=since)
 
 
 def outcome_of(state: str, code: str) -> str | None:
@@ -178,14 +246,34 @@ def outcome_of(state: str, code: str) -> str | None:
     return FAILED
 
 
-def node_value(annotations: Mapping[str, str], prefix: str, suffix: str = ".drain") -> str:
-    """The node-wide request: the strongest claim of all instances on the node."""
-    kinds = set()
+def is_claim_key(key: str, prefix: str) -> bool:
+    """An instance's claim `<p>/<stem>.drain` (not the node-wide `<p>/drain`)."""
+    return key.startswith(prefix + "/") and key.endswith(".drain")
+
+
+def _all_claims(annotations: Mapping[str, str], prefix: str) -> Iterator[tuple[str, Claim]]:
     for key, value in annotations.items():
-        if key.startswith(prefix + "/") and key.endswith(suffix):
+        if is_claim_key(key, prefix):
             claim = Claim.decode(value)
             if claim is not None:
-                kinds.add(claim.kind)
+                yield key, claim
+
+
+def claims(
+    annotations: Mapping[str, str], prefix: str, boot_id: str
+) -> Iterator[tuple[str, Claim]]:
+    """The readable claims of this boot on the node (key, claim)."""
+    return ((k, c) for k, c in _all_claims(annotations, prefix) if not stale(c, boot_id))
+
+
+def stale_claims(annotations: Mapping[str, str], prefix: str, boot_id: str) -> list[str]:
+    """The keys of claims of an earlier boot: nothing asks for them any more."""
+    return [k for k, c in _all_claims(annotations, prefix) if stale(c, boot_id)]
+
+
+def node_value(annotations: Mapping[str, str], prefix: str, boot_id: str) -> str:
+    """The node-wide request: the strongest claim of this boot of all instances on the node."""
+    kinds = {c.kind for _k, c in claims(annotations, prefix, boot_id)}
     if REBOOT_REQUIRED in kinds:
         return REBOOT_REQUIRED
     if DRAIN_REQUIRED in kinds:

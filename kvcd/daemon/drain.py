@@ -10,7 +10,11 @@ an unload failed outright) and holds Working until the drain controller answers
 `<p>/drain-current = DrainComplete`; then the change is applied and the claim withdrawn (the last
 claim withdrawn writes `<p>/drain = Idle`). No answer within `drain_timeout` -> Degraded
 (DrainTimeout) and the claim is withdrawn. All of it is re-derived from the node on every
-reconcile, so a restart in the middle continues the handshake.
+reconcile, so a restart in the middle continues the handshake. Each look at the node settles
+our claim there (kvcd.core.drain.settled): a left-over DrainComplete it was made over is
+forgotten once drain-current moved, a time ahead of the clock restarts at now. Every claim
+written also removes the claims of earlier boots, and the node-wide request counts only this
+boot's.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ def _with_holders(detail: str, holders: str) -> str:
     """The detail with the holders named now (replacing those named by an earlier look)."""
     base = detail.split("; holders: ", 1)[0]
     return base + (f"; holders: {holders}" if holders else "")
+
+
+def _now_text(claim: hs.Claim, current: str) -> str:
+    value = hs.current_value(current)
+    if hs.answer(claim, current) != value:
+        return f"{value}, left from an earlier request"
+    return value
 
 
 class Drain(Extension):
@@ -124,36 +135,76 @@ class Drain(Extension):
     def _arm(self, ctx: Context, claim: hs.Claim) -> None:
         """A timer event when the claim expires (the watch brings DrainComplete earlier)."""
         self._cancel()
-        delay = max(0.0, claim.since + ctx.settings.drain_timeout - self.clock()) + 1.0
+        delay = hs.remaining(claim, self.clock(), ctx.settings.drain_timeout) + 1.0
         self._timer = threading.Timer(delay, ctx.post, (Event(self.name, "timeout", kind=RETRY),))
         self._timer.daemon = True
         self._timer.start()
 
     # --- the handshake -----------------------------------------------------------------------
     def _read(self, ctx: Context) -> tuple[hs.Claim | None, str] | None:
+        """Our claim and drain-current, the claim settled on the node (hs.settled)."""
         writer = self.link.writer
         view = writer.read() if writer is not None else None
         if view is None:
             return None
-        keys = self.link.keys(ctx)
-        claim = hs.Claim.decode(view.annotations.get(keys.drain_request))
-        current = view.annotations.get(nodekeys.drain_current_key(self.link.prefix), "")
-        return claim, current
+        own = self.link.keys(ctx).drain_request
+        current_key = nodekeys.drain_current_key(self.link.prefix)
+        claim = hs.Claim.decode(view.annotations.get(own))
+        current = view.annotations.get(current_key, "")
+        if claim is None or hs.stale(claim, boot_id(ctx.root) or ""):
+            return claim, current
+        now = self.clock()
+        if hs.settled(claim, current, now) == claim:
+            return claim, current
+        written: list[hs.Claim | None] = []
 
-    def _set_claim(self, ctx: Context, claim: hs.Claim | None) -> bool:
-        """Write (or withdraw) our claim and the node-wide request in one atomic update."""
+        def settle(fresh: NodeView) -> hs.Claim | None:  # as it is when written
+            mine = hs.Claim.decode(fresh.annotations.get(own))
+            got = fresh.annotations.get(current_key, "")
+            written[:] = [hs.settled(mine, got, now) if mine is not None else None]
+            return written[0]
+
+        if self._set_claim(ctx, settle) and written:
+            return written[0], current
+        return hs.settled(claim, current, now), current
+
+    def _request(self, ctx: Context, kind: str) -> hs.Claim | None:
+        """Claim `kind` now (hs.new_claim: over the node as it is); None if unreachable."""
+        made: list[hs.Claim] = []
+        boot = boot_id(ctx.root) or ""
+        own = self.link.keys(ctx).drain_request
+        prefix = self.link.prefix
+
+        def make(view: NodeView) -> hs.Claim:
+            others = {k: v for k, v in view.annotations.items() if k != own}
+            current = view.annotations.get(nodekeys.drain_current_key(prefix), "")
+            claim = hs.new_claim(kind, boot, self.clock(), current, others, prefix)
+            made[:] = [claim]
+            return claim
+
+        return made[-1] if self._set_claim(ctx, make) and made else None
+
+    def _set_claim(self, ctx: Context, make: Callable[[NodeView], hs.Claim | None] | None) -> bool:
+        """Write (or, `make` None, withdraw) our claim and the node-wide request in one atomic
+        update, removing the claims of earlier boots. `make` gives the claim from the node as
+        read for the update."""
         writer = self.link.writer
         if writer is None:
             return False
         own = self.link.keys(ctx).drain_request
-        node_key = nodekeys.drain_key(self.link.prefix)
-        value = claim.encode() if claim else None
+        prefix = self.link.prefix
+        node_key = nodekeys.drain_key(prefix)
+        boot = boot_id(ctx.root) or ""
 
         def change(view: NodeView) -> dict[str, str | None]:
+            claim = make(view) if make else None
             after = {k: v for k, v in view.annotations.items() if k != own}
-            if value is not None:
-                after[own] = value
-            return {own: value, node_key: hs.node_value(after, self.link.prefix)}
+            patch: dict[str, str | None] = dict.fromkeys(hs.stale_claims(after, prefix, boot))
+            if claim is not None:
+                after[own] = claim.encode()
+            patch[own] = after.get(own)
+            patch[node_key] = hs.node_value(after, prefix, boot)
+            return patch
 
         return writer.update(change)
 
@@ -180,8 +231,8 @@ class Drain(Extension):
         uncordoned before the modules are out. `keepalive` runs between looks (the unit's stop
         timeout is pushed out by the caller)."""
         boot = boot_id(ctx.root) or ""
-        claim = hs.Claim(hs.DRAIN_REQUIRED, boot, self.clock())
-        if not self._set_claim(ctx, claim):
+        claim = self._request(ctx, hs.DRAIN_REQUIRED)
+        if claim is None:
             return "cannot request a node drain: the node is unreachable"
         self._stop_claim = True
         current_key = nodekeys.drain_current_key(self.link.prefix)
@@ -196,6 +247,8 @@ class Drain(Extension):
         timeout = ctx.settings.drain_timeout
         while True:
             seen = self._read(ctx)
+            if seen is not None and seen[0] is not None:
+                claim = seen[0]  # as settled on the node
             step = hs.before(claim, seen[1] if seen else "", self.clock(), timeout, boot)
             if step == hs.PROCEED:
                 return None
@@ -236,7 +289,7 @@ class Drain(Extension):
                 state.DRAIN_PENDING,
                 f"{claim.kind} requested; waiting for "
                 f"{nodekeys.drain_current_key(self.link.prefix)}={hs.DRAIN_COMPLETE} "
-                f"(now {hs.current_value(current)})",
+                f"(now {_now_text(claim, current)})",
             )
         return Verdict(
             HOLD,
@@ -263,8 +316,8 @@ class Drain(Extension):
         fields = {**ctx.fields, "KVCD_DRAIN": action}
         if action in (hs.REQUEST_DRAIN, hs.REQUEST_REBOOT):
             kind = hs.DRAIN_REQUIRED if action == hs.REQUEST_DRAIN else hs.REBOOT_REQUIRED
-            new = hs.Claim(kind, boot_id(ctx.root) or "", self.clock())
-            if not self._set_claim(ctx, new):
+            new = self._request(ctx, kind)
+            if new is None:
                 return Verdict(
                     HOLD,
                     "Degraded",

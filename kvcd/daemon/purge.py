@@ -41,7 +41,7 @@ from kvcd.core import upgradegate
 from kvcd.core.state import StepFailed
 from kvcd.daemon import driftstore, metrics
 from kvcd.daemon.observe import host_for
-from kvcd.daemon.record import Record, known_names, recorded_names
+from kvcd.daemon.record import Record, boot_id, known_names, recorded_names
 from kvcd.host import files, kmod, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.node.keys import Keys, stem
@@ -154,6 +154,7 @@ def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
     prefix = settings.annotation_prefix
     own = f"{prefix}/{stem(name)}."
     drain_key = Keys(prefix, name).drain_request
+    boot = boot_id(root) or ""  # claims of an earlier boot ask for nothing any more
 
     def after(view: NodeView) -> dict[str, str]:
         return {k: v for k, v in view.annotations.items() if not k.startswith(own)}
@@ -161,7 +162,7 @@ def _node(root: HostRoot, settings: Settings, name: str) -> str | None:
     def change(view: NodeView) -> dict[str, str | None]:
         patch: dict[str, str | None] = {k: None for k in view.annotations if k.startswith(own)}
         if drain_key in view.annotations:
-            patch[f"{prefix}/drain"] = hs.node_value(after(view), prefix)
+            patch[f"{prefix}/drain"] = hs.node_value(after(view), prefix, boot)
         patch.update(upgradegate.annotation_patch(after(view), prefix))  # its failure may go
         return patch
 

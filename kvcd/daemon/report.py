@@ -247,11 +247,15 @@ class Reporter(Extension):
 # --- `kvcd label` / `kvcd annotate`: the admin's side of the file backend ----------------------
 
 
-def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]:
+def parse_edits(
+    edits: list[str], labels: bool = False, claims: str | None = None
+) -> dict[str, str | None]:
     """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one.
     Label values must be what Kubernetes accepts on a Node, so a file-backend node never holds
-    a label a cluster would refuse."""
+    a label a cluster would refuse. `claims`: the annotation prefix, whose drain claims
+    (`<prefix>/<stem>.drain`) must be ones kvcd reads (a claim it cannot read is no claim)."""
     from kvcd.config.rules import qualified_name
+    from kvcd.core import drain as hs
     from kvcd.core.labels import LABEL_VALUE_RULE, valid_label_value
 
     out: dict[str, str | None] = {}
@@ -270,6 +274,12 @@ def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]
             raise ValueError(f"{edit!r}: the value must be one line of at most 1024 characters")
         if labels and value is not None and not valid_label_value(value):
             raise ValueError(f"{edit!r}: {LABEL_VALUE_RULE}")
+        claim = claims and value is not None and hs.is_claim_key(key, claims)
+        if claim and hs.Claim.decode(value) is None:
+            raise ValueError(
+                f"{edit!r}: not a drain claim kvcd reads (Drain_Required|Reboot_Required "
+                "boot=<boot id> since=<unix time, a finite number>)"
+            )
         out[key] = value
     return out
 
@@ -296,7 +306,11 @@ def edit_node_command(root: HostRoot, verb: str, edits: list[str]) -> int:
         )
         return 2
     try:
-        patch = parse_edits(edits, labels=verb == "label")
+        patch = parse_edits(
+            edits,
+            labels=verb == "label",
+            claims=None if verb == "label" else settings.annotation_prefix,
+        )
     except ValueError as exc:
         print(f"kvcd {verb}: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,35 @@ def claim(kind: str = hs.DRAIN_REQUIRED, boot: str = BOOT, since: float = T0) ->
     return hs.Claim(kind, boot, since)
 
 
-# claim, drain-current, now -> before()
+# The BEFORE table, every row: (claimed, drain-current, expired) -> the step.
+BEFORE_TABLE = [
+    ((False, hs.IDLE, False), hs.PROCEED),
+    ((False, hs.DRAINING, False), hs.PROCEED),
+    ((False, hs.DRAIN_COMPLETE, False), hs.PROCEED),
+    ((True, hs.IDLE, False), hs.WAIT),
+    ((True, hs.DRAINING, False), hs.WAIT),
+    ((True, hs.DRAIN_COMPLETE, False), hs.PROCEED),
+    ((True, hs.IDLE, True), hs.TIMEOUT),
+    ((True, hs.DRAINING, True), hs.TIMEOUT),
+    ((True, hs.DRAIN_COMPLETE, True), hs.PROCEED),  # the answer came; late is better than never
+]
+
+
+@pytest.mark.parametrize(("key", "step"), BEFORE_TABLE)
+def test_before_table_row(key: tuple[bool, str, bool], step: str) -> None:
+    assert hs.BEFORE[key] == step
+
+
+def test_before_table_is_the_rows() -> None:
+    assert dict(BEFORE_TABLE) == hs.BEFORE
+
+
+def leftover(kind: str = hs.DRAIN_REQUIRED, since: float = T0) -> hs.Claim:
+    """A claim made while drain-current still held the answer to an earlier, withdrawn request."""
+    return hs.Claim(kind, BOOT, since, seen=hs.DRAIN_COMPLETE)
+
+
+# claim, drain-current, now -> before(): how the table is entered
 BEFORE_ROWS = [
     (None, "", T0, hs.PROCEED),
     (None, hs.DRAIN_COMPLETE, T0, hs.PROCEED),
@@ -54,6 +82,11 @@ BEFORE_ROWS = [
     (claim(since=T0 - 30), hs.DRAINING, T0, hs.WAIT),
     # restart after a reboot: the claim is from another boot -> stale, proceed
     (claim(hs.REBOOT_REQUIRED, boot="old-boot"), hs.DRAINING, T0, hs.PROCEED),
+    # a DrainComplete already there when the claim was made answers an earlier request
+    (leftover(), hs.DRAIN_COMPLETE, T0 + 1, hs.WAIT),
+    (leftover(), hs.DRAIN_COMPLETE, T0 + TIMEOUT + 1, hs.TIMEOUT),
+    (leftover(hs.REBOOT_REQUIRED), hs.DRAIN_COMPLETE, T0 + 1, hs.WAIT),
+    (leftover(), hs.DRAINING, T0 + 1, hs.WAIT),
 ]
 
 
@@ -68,16 +101,48 @@ def test_stale() -> None:
     assert not hs.stale(None, BOOT)
 
 
-# claim kind, drain-current, outcome -> action, state, reason code
-AFTER_ROWS = [
+# The AFTER table, every row: claim kind, drain-current, outcome -> action, state, reason code.
+AFTER_TABLE = [
+    # No claim yet: a blocked change asks for a drain; an unload that failed asks for a reboot.
     ("", hs.IDLE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
+    ("", hs.DRAINING, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
+    # (a DrainComplete left from an earlier request is recorded in the claim: see new_claim)
+    ("", hs.DRAIN_COMPLETE, hs.BLOCKED, hs.REQUEST_DRAIN, "Working", state.DRAIN_PENDING),
     ("", hs.IDLE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
+    ("", hs.DRAINING, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
+    ("", hs.DRAIN_COMPLETE, hs.UNLOADABLE, hs.REQUEST_REBOOT, "Degraded", state.REBOOT_PENDING),
     ("", hs.IDLE, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.DRAINING, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.DRAIN_COMPLETE, hs.APPLIED, hs.NOTHING, "", ""),
+    ("", hs.IDLE, hs.FAILED, hs.NOTHING, "", ""),
+    ("", hs.DRAINING, hs.FAILED, hs.NOTHING, "", ""),
     ("", hs.DRAIN_COMPLETE, hs.FAILED, hs.NOTHING, "", ""),
-    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
-    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", state.MODULE_IN_USE),
+    # Drain claimed.
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.BLOCKED, hs.KEEP, "Working", state.DRAIN_PENDING),
     (hs.DRAIN_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Working", state.DRAIN_PENDING),
-    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.RELEASE, "Degraded", state.MODULE_IN_USE),
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.IDLE, hs.FAILED, hs.RELEASE, "", ""),  # e.g. DrainTimeout
+    (hs.DRAIN_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),
+    (hs.DRAIN_REQUIRED, hs.DRAIN_COMPLETE, hs.FAILED, hs.RELEASE, "", ""),
+    (
+        hs.DRAIN_REQUIRED,
+        hs.IDLE,
+        hs.UNLOADABLE,
+        hs.REQUEST_REBOOT,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
+    (
+        hs.DRAIN_REQUIRED,
+        hs.DRAINING,
+        hs.UNLOADABLE,
+        hs.REQUEST_REBOOT,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
     (
         hs.DRAIN_REQUIRED,
         hs.DRAIN_COMPLETE,
@@ -86,22 +151,120 @@ AFTER_ROWS = [
         "Degraded",
         state.REBOOT_PENDING,
     ),
+    # Reboot claimed: kept while the module stays stuck; withdrawn once the change went through,
+    # or on any other failure, DrainTimeout included (never left cordoned for kvcd).
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.UNLOADABLE, hs.KEEP, "Degraded", state.REBOOT_PENDING),
     (hs.REBOOT_REQUIRED, hs.DRAINING, hs.UNLOADABLE, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (
+        hs.REBOOT_REQUIRED,
+        hs.DRAIN_COMPLETE,
+        hs.UNLOADABLE,
+        hs.KEEP,
+        "Degraded",
+        state.REBOOT_PENDING,
+    ),
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.BLOCKED, hs.KEEP, "Degraded", state.REBOOT_PENDING),
     (hs.REBOOT_REQUIRED, hs.IDLE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.APPLIED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.IDLE, hs.FAILED, hs.RELEASE, "", ""),  # DrainTimeout
+    (hs.REBOOT_REQUIRED, hs.DRAINING, hs.FAILED, hs.RELEASE, "", ""),
+    (hs.REBOOT_REQUIRED, hs.DRAIN_COMPLETE, hs.FAILED, hs.RELEASE, "", ""),
 ]
 
 
-@pytest.mark.parametrize(("kind", "current", "outcome", "action", "st", "code"), AFTER_ROWS)
+@pytest.mark.parametrize(("kind", "current", "outcome", "action", "st", "code"), AFTER_TABLE)
 def test_after(kind: str, current: str, outcome: str, action: str, st: str, code: str) -> None:
+    assert hs.AFTER[(kind, current, outcome)] == (action, st, code)
     c = claim(kind) if kind else None
     assert hs.after(c, current, outcome) == (action, st, code)
 
 
-def test_after_table_is_complete() -> None:
-    for kind in ("", hs.DRAIN_REQUIRED, hs.REBOOT_REQUIRED):
-        for current in (hs.IDLE, hs.DRAINING, hs.DRAIN_COMPLETE):
-            for outcome in (hs.BLOCKED, hs.UNLOADABLE, hs.APPLIED, hs.FAILED):
-                assert (kind, current, outcome) in hs.AFTER
+def test_after_table_is_the_rows() -> None:
+    assert len(AFTER_TABLE) == 36
+    assert {(k, c, o): (a, s, r) for k, c, o, a, s, r in AFTER_TABLE} == hs.AFTER
+
+
+def test_a_left_over_drain_complete_is_not_the_answer_after_either() -> None:
+    # The change ran anyway (a restart, a DrainComplete that came and went unseen) and is still
+    # blocked: nothing was drained for this claim, so it waits rather than "still in use after".
+    assert hs.after(leftover(), hs.DRAIN_COMPLETE, hs.BLOCKED) == (
+        hs.KEEP,
+        "Working",
+        state.DRAIN_PENDING,
+    )
+
+
+def live(kind: str = hs.DRAIN_REQUIRED, seen: str = "") -> str:
+    return hs.Claim(kind, BOOT, T0, seen=seen).encode()
+
+
+# drain-current, the other claims on the node -> the `seen` of a claim made now
+NEW_CLAIM_ROWS = [
+    ("", {}, ""),
+    (hs.DRAINING, {}, ""),
+    (hs.DRAIN_COMPLETE, {}, hs.DRAIN_COMPLETE),  # answers a request withdrawn since
+    # answers a request still standing (the node stays drained for it): shared, it counts
+    (hs.DRAIN_COMPLETE, {"p.io/a.drain": live()}, ""),
+    # ... unless that one is itself waiting for a fresh answer
+    (hs.DRAIN_COMPLETE, {"p.io/a.drain": live(seen=hs.DRAIN_COMPLETE)}, hs.DRAIN_COMPLETE),
+    # a claim of an earlier boot stands for nothing
+    (
+        hs.DRAIN_COMPLETE,
+        {"p.io/a.drain": hs.Claim(hs.DRAIN_REQUIRED, "old", T0).encode()},
+        hs.DRAIN_COMPLETE,
+    ),
+]
+
+
+@pytest.mark.parametrize(("current", "others", "seen"), NEW_CLAIM_ROWS)
+def test_new_claim_records_a_left_over_answer(
+    current: str, others: dict[str, str], seen: str
+) -> None:
+    c = hs.new_claim(hs.DRAIN_REQUIRED, BOOT, T0, current, others, "p.io")
+    assert c == hs.Claim(hs.DRAIN_REQUIRED, BOOT, T0, seen=seen)
+
+
+def test_the_issue_repro_a_left_over_drain_complete_does_not_answer_a_new_claim() -> None:
+    new = hs.new_claim(hs.DRAIN_REQUIRED, BOOT, T0, hs.DRAIN_COMPLETE, {}, "p.io")
+    assert hs.before(new, hs.DRAIN_COMPLETE, T0 + 1, TIMEOUT, BOOT) == hs.WAIT
+
+
+# claim, drain-current, now -> the claim as it should stand on the node
+SETTLED_ROWS = [
+    (claim(), hs.DRAINING, T0 + 5, claim()),
+    (leftover(), hs.DRAIN_COMPLETE, T0 + 5, leftover()),  # not moved yet
+    (leftover(), hs.IDLE, T0 + 5, claim()),  # moved: the next DrainComplete is the answer
+    (leftover(), hs.DRAINING, T0 + 5, claim()),
+    (claim(since=T0 + 30), "", T0, claim(since=T0 + 30)),  # within the slack: as it is
+    (claim(since=T0 + 3600), "", T0, claim(since=T0)),  # clock set back: counts from now
+    (claim(since=1e300), "", T0, claim(since=T0)),
+]
+
+
+@pytest.mark.parametrize(("c", "current", "now", "settled"), SETTLED_ROWS)
+def test_settled(c: hs.Claim, current: str, now: float, settled: hs.Claim) -> None:
+    assert hs.settled(c, current, now) == settled
+
+
+# since, now -> seconds until the claim expires: finite, within [0, timeout]
+@pytest.mark.parametrize(
+    ("since", "now", "left"),
+    [
+        (T0, T0, TIMEOUT),
+        (T0, T0 + 100, TIMEOUT - 100),
+        (T0, T0 + 10 * TIMEOUT, 0.0),
+        (T0 + 3600, T0, TIMEOUT),  # in the future: never more than the timeout
+        (1e300, T0, TIMEOUT),
+        (float("inf"), T0, TIMEOUT),
+        (float("nan"), T0, TIMEOUT),
+        (float("-inf"), T0, 0.0),
+    ],
+)
+def test_remaining(since: float, now: float, left: float) -> None:
+    assert hs.remaining(claim(since=since), now, TIMEOUT) == left
 
 
 @pytest.mark.parametrize(
@@ -131,20 +294,67 @@ def test_outcome_of(state: str, code: str, outcome: str | None) -> None:
         ),
         ({"p.io/a.drain": "garbage", "other.io/b.drain": claim().encode()}, hs.IDLE),
         ({"p.io/drain": hs.DRAIN_REQUIRED}, hs.IDLE),  # the node-wide key is not a claim
+        # a claim of an earlier boot asks for nothing any more (the issue's `gone` instance)
+        ({"p.io/gone.drain": "Reboot_Required boot=boot-before since=1"}, hs.IDLE),
+        (
+            {
+                "p.io/gone.drain": claim(hs.REBOOT_REQUIRED, boot="boot-before").encode(),
+                "p.io/a.drain": claim().encode(),
+            },
+            hs.DRAIN_REQUIRED,
+        ),
+        ({"p.io/a.drain": "Drain_Required since=1"}, hs.DRAIN_REQUIRED),  # no boot: counts
     ],
 )
-def test_node_value_is_the_strongest_claim(claims: dict[str, str], value: str) -> None:
-    assert hs.node_value(claims, "p.io") == value
+def test_node_value_is_the_strongest_claim_of_this_boot(claims: dict[str, str], value: str) -> None:
+    assert hs.node_value(claims, "p.io", BOOT) == value
 
 
-@pytest.mark.parametrize("text", ["", "Idle", "Drain_Required boot=b since=zz", "Drain_Required"])
-def test_claim_decode(text: str) -> None:
-    c = hs.Claim.decode(text)
-    if text == "Drain_Required":
-        assert c == hs.Claim(hs.DRAIN_REQUIRED, "", 0.0)
-    else:
-        assert c is None
-    assert hs.Claim.decode(claim().encode()) == claim()
+def test_stale_claims_are_those_of_other_boots() -> None:
+    claims = {
+        "p.io/gone.drain": claim(boot="boot-before").encode(),
+        "p.io/a.drain": claim().encode(),
+        "p.io/b.drain": "garbage",
+        "q.io/c.drain": claim(boot="boot-before").encode(),
+    }
+    assert hs.stale_claims(claims, "p.io", BOOT) == ["p.io/gone.drain"]
+
+
+@pytest.mark.parametrize(
+    ("text", "decoded"),
+    [
+        ("", None),
+        ("Idle", None),
+        ("Drain_Required boot=b since=zz", None),
+        ("Drain_Required", hs.Claim(hs.DRAIN_REQUIRED, "", 0.0)),
+        # a time that is no time: unreadable (treated as absent, replaced by a fresh claim)
+        ("Drain_Required boot=b since=nan", None),
+        ("Drain_Required boot=b since=inf", None),
+        ("Drain_Required boot=b since=-inf", None),
+        ("Drain_Required boot=b since=1e999", None),
+        # a far-off time reads as it is; settled() restarts it at now
+        ("Drain_Required boot=b since=1e300", hs.Claim(hs.DRAIN_REQUIRED, "b", 1e300)),
+        # the claim as older kvcd wrote it, and as this one writes it over a left-over answer
+        ("Drain_Required boot=b since=5", hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0)),
+        (
+            "Drain_Required boot=b since=5 seen=DrainComplete",
+            hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0, seen=hs.DRAIN_COMPLETE),
+        ),
+        ("Drain_Required boot=b since=5 seen=Draining", hs.Claim(hs.DRAIN_REQUIRED, "b", 5.0)),
+    ],
+)
+def test_claim_decode(text: str, decoded: hs.Claim | None) -> None:
+    assert hs.Claim.decode(text) == decoded
+
+
+@pytest.mark.parametrize("c", [claim(), leftover(), claim(hs.REBOOT_REQUIRED)])
+def test_claim_round_trip(c: hs.Claim) -> None:
+    assert hs.Claim.decode(c.encode()) == c
+
+
+def test_claim_encoding_is_the_old_one_unless_over_a_left_over_answer() -> None:
+    assert claim().encode() == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    assert leftover().encode() == f"Drain_Required boot={BOOT} since={T0:.0f} seen=DrainComplete"
 
 
 # --- the extension through the `kvcd run` loop -----------------------------------------------
@@ -325,6 +535,178 @@ def test_stale_claim_from_an_earlier_boot_is_withdrawn(host: HostRoot, service: 
     assert ann(host)["kvcd.io/drain"] == "Idle"
 
 
+def blocked_and_claimed(host: HostRoot, service: Any) -> Service:
+    """Loaded 1.0, foo holds kvcd_user, 2.0 configured and reloaded: the change is blocked."""
+    svc: Service = service()
+    svc.reconcile([Event("start", kind=RETRY)])
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    return svc
+
+
+def test_a_left_over_drain_complete_is_not_the_answer(host: HostRoot, service: Any) -> None:
+    """The previous handshake ended; the controller has not reset drain-current to Idle yet when
+    a new change is blocked. That DrainComplete answered the earlier request: kvcd waits for
+    the controller to go through Idle/Draining to a DrainComplete of its own."""
+    controller(host, "DrainComplete")
+    svc = blocked_and_claimed(host, service)
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Drain_Required"
+    assert a["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f} seen=DrainComplete"
+
+    rec = svc.reconcile([Event("drain", "retry", kind=RETRY)])  # the next cycle
+    assert rec is not None and rec.state == "Working", rec.reason
+    assert rec.reason.startswith("DrainRequired: Drain_Required requested; waiting for")
+    assert "(now DrainComplete, left from an earlier request)" in rec.reason
+    assert "kvcd.io/e2e.drain" in ann(host)
+
+    controller(host, "Idle")  # the controller uncordons after the earlier request ...
+    rec = svc.reconcile([Event("drain", "Idle", kind=RETRY)])
+    assert rec is not None and rec.state == "Working"
+    assert ann(host)["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    controller(host, "Draining")  # ... then drains for this one
+    release(host, "kvcd_user", "foo")
+    controller(host, "DrainComplete")
+    rec = svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
+    assert rec is not None and (rec.state, rec.version) == ("Done", "2.0")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+
+
+def test_a_drain_complete_of_a_standing_request_is_shared(host: HostRoot) -> None:
+    """b is blocked while a's request stands answered (the node is drained and stays so while a
+    claim stands): b's claim joins it and proceeds. Once a withdrew, a DrainComplete still there
+    answers nobody: c waits for a fresh one."""
+    settings = load_settings(host)
+    cfg = load_instance(host, "e2e")
+    exts = {}
+    for name in ("a", "b", "c"):
+        link = NodeLink(settings, opener=lambda c: FileBackend(c.root, "n1"))
+        ctx = Context(host, name, K, settings, cfg, lambda _e: None)
+        ext = Drain(link, clock=Clock())
+        ext.start(ctx)
+        exts[name] = (ext, ctx)
+    blocked = Record("x", "Degraded", "ModuleInUse", "kvcd_user is held by foo (refcnt 1)")
+    try:
+        ext, ctx = exts["a"]
+        assert ext.after(ctx, blocked) is not None
+        controller(host, "DrainComplete")
+        ext, ctx = exts["b"]
+        assert ext.after(ctx, blocked) is not None
+        assert "seen=" not in ann(host)["kvcd.io/b.drain"]
+        assert ext.verdict(ctx, []) is None  # proceed: the node is drained
+        for name in ("a", "b"):
+            ext, ctx = exts[name]
+            ext.after(ctx, Record(name, "Done"))
+        assert ann(host)["kvcd.io/drain"] == "Idle"
+        ext, ctx = exts["c"]
+        assert ext.after(ctx, blocked) is not None
+        assert ann(host)["kvcd.io/c.drain"].endswith(" seen=DrainComplete")
+        v = ext.verdict(ctx, [])
+        assert v is not None and v.verb == HOLD and v.state == "Working"
+    finally:
+        for ext, _ctx in exts.values():
+            ext.stop()
+
+
+class Timers:
+    """threading.Timer in kvcd.daemon.drain, recording the delays (nothing is started)."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, delay: float, _fn: Any, _args: Any = ()) -> Any:
+        self.delays.append(delay)
+        delays = self.delays
+
+        class T:
+            daemon = False
+
+            def start(self) -> None:
+                assert delays
+
+            def cancel(self) -> None:
+                pass
+
+        return T()
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "1e300", f"{T0 + 3600:.0f}"])
+def test_a_claim_of_no_time_or_a_future_one_still_times_out(
+    host: HostRoot, service: Any, monkeypatch: pytest.MonkeyPatch, since: str
+) -> None:
+    """An unreadable since (nan, inf) is no claim: the blocked change claims afresh. One in the
+    future (a clock set back at boot, a hand-written 1e300) counts from now. Either way the
+    claim times out after drain_timeout, and the timer never waits longer than that."""
+    import kvcd.daemon.drain as daemon_drain
+
+    timers = Timers()
+    monkeypatch.setattr(daemon_drain.threading, "Timer", timers)
+    svc = service()
+    svc.reconcile([Event("start", kind=RETRY)])
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/e2e.drain": f"Drain_Required boot={BOOT} since={since}",
+            "kvcd.io/drain": "Drain_Required",
+        }
+    )
+    hold(host, "kvcd_user", "foo")
+    fakehost.write_config(host, "e2e", CONFIG.format(v="2.0", mode="cluster"))
+    svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.state == "Working", rec.reason
+    assert ann(host)["kvcd.io/e2e.drain"] == f"Drain_Required boot={BOOT} since={T0:.0f}"
+    assert timers.delays and all(0 <= d <= TIMEOUT + 1 for d in timers.delays), timers.delays
+
+    service.clock.now = T0 + TIMEOUT + 1
+    rec = svc.reconcile([Event("drain", "timeout", kind=RETRY)])
+    assert rec is not None and rec.state == "Degraded"
+    assert rec.reason.startswith("DrainTimeout: no DrainComplete within 600s")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+
+
+def test_a_claim_of_an_earlier_boot_does_not_ask_again(host: HostRoot, service: Any) -> None:
+    """Another instance (`gone`, whose config was removed) left a Reboot_Required claim before
+    the reboot: kvcd's own handshake neither repeats its request nor keeps it on the node."""
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/gone.drain": "Reboot_Required boot=boot-before since=1",
+            "kvcd.io/drain": "Idle",
+        }
+    )
+    svc = blocked_and_claimed(host, service)
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Drain_Required"
+    assert "kvcd.io/gone.drain" not in a
+    release(host, "kvcd_user", "foo")
+    controller(host, "DrainComplete")
+    rec = svc.reconcile([Event("drain", "DrainComplete", kind=RETRY)])
+    assert rec is not None and rec.state == "Done"
+    assert ann(host)["kvcd.io/drain"] == "Idle"
+
+
+def test_a_reboot_claim_is_withdrawn_on_drain_timeout(host: HostRoot, service: Any) -> None:
+    """No answer to a Reboot_Required within drain_timeout: Degraded (DrainTimeout) and the claim
+    withdrawn, as for Drain_Required: a node is never left cordoned for kvcd."""
+    FileBackend(host, "n1").edit(
+        annotations=lambda _v: {
+            "kvcd.io/e2e.drain": f"Reboot_Required boot={BOOT} since={T0:.0f}",
+            "kvcd.io/drain": "Reboot_Required",
+        }
+    )
+    svc = service()
+    service.clock.now = T0 + 10000
+    rec = svc.reconcile([Event("start", kind=RETRY)])
+    assert rec is not None and rec.state == "Degraded", rec.reason
+    assert rec.reason.startswith(
+        "DrainTimeout: no DrainComplete within 600s of the Reboot_Required request"
+    )
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
+
+
 def test_drain_none_names_the_holders(host: HostRoot, service: Any) -> None:
     fakehost.write_config(host, "e2e", CONFIG.format(v="1.0", mode="none"))
     svc = service()
@@ -466,6 +848,31 @@ def test_stop_with_drain_waits_for_drain_complete_then_unloads(
     a = ann(host)
     assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
     assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in svc.notify.sent)  # type: ignore[attr-defined]
+
+
+def test_stop_with_drain_does_not_take_a_left_over_drain_complete(
+    host: HostRoot, service: Any
+) -> None:
+    svc = stopping_service(host, service, state.UNLOAD_DRAIN)
+    controller(host, "DrainComplete")  # the previous handshake's answer, not reset yet
+    hold(host, "kvcd_user", "foo")
+    seen: list[dict[str, str]] = []
+
+    def sleep(_seconds: float) -> None:  # the drain controller, between kvcd's looks
+        seen.append(ann(host))
+        if len(seen) == 1:
+            controller(host, "Idle")
+        elif len(seen) == 2:
+            release(host, "kvcd_user", "foo")
+            controller(host, "DrainComplete")
+
+    drain_of(svc).sleep = sleep
+    assert svc.stop() == 0
+    assert loaded(host) == []
+    assert len(seen) == 2
+    assert seen[0]["kvcd.io/e2e.drain"].endswith(" seen=DrainComplete")
+    a = ann(host)
+    assert a["kvcd.io/drain"] == "Idle" and "kvcd.io/e2e.drain" not in a
 
 
 @pytest.mark.parametrize("answer", ["timeout", "still-held"])

@@ -245,6 +245,38 @@ def test_parse_edits(edits: list[str], result: dict[str, str | None] | str) -> N
         assert parse_edits(edits) == result
 
 
+@pytest.mark.parametrize(
+    ("edit", "refused"),
+    [
+        ("kvcd.io/e2e.drain=Drain_Required boot=b since=1700000000", False),
+        ("kvcd.io/e2e.drain=Reboot_Required boot=b since=1 seen=DrainComplete", False),
+        ("kvcd.io/e2e.drain-", False),
+        ("kvcd.io/drain=anything", False),  # the node-wide value: kvcd recomputes it
+        ("other.io/e2e.drain=anything", False),  # not kvcd's prefix
+        ("kvcd.io/e2e.drain=Drain_Required boot=b since=nan", True),
+        ("kvcd.io/e2e.drain=Drain_Required boot=b since=inf", True),
+        ("kvcd.io/e2e.drain=Drain_Required boot=b since=soon", True),
+        ("kvcd.io/e2e.drain=Idle", True),
+        ("kvcd.io/e2e.drain=", True),
+    ],
+)
+def test_annotate_refuses_a_drain_claim_kvcd_would_not_read(edit: str, refused: bool) -> None:
+    if refused:
+        with pytest.raises(ValueError, match="not a drain claim kvcd reads"):
+            parse_edits([edit], claims="kvcd.io")
+    else:
+        assert parse_edits([edit], claims="kvcd.io")
+
+
+def test_cli_annotate_refuses_since_nan(root: HostRoot, capsys: pytest.CaptureFixture[str]) -> None:
+    r = str(root.root)
+    claim = "kvcd.io/e2e.drain=Drain_Required boot=b since=nan"
+    assert cli.main(["--root", r, "annotate", claim]) == 2
+    assert "not a drain claim kvcd reads" in capsys.readouterr().err
+    assert cli.main(["--root", r, "annotate"]) == 0
+    assert "kvcd.io/e2e.drain" not in capsys.readouterr().out
+
+
 def test_cli_label_and_annotate(root: HostRoot, capsys: pytest.CaptureFixture[str]) -> None:
     r = str(root.root)
     assert cli.main(["--root", r, "label", "kvcd.io/version.nic=1.0", "x/y=z"]) == 0

@@ -91,7 +91,7 @@ def test_purge_removes_everything_of_one_instance_and_nothing_else(host: HostRoo
     host.metrics_counts("e2e").write_text("{}")
     (host.runtime / "metrics").mkdir()
     (host.runtime / "metrics" / "kvcd-e2e.prom").write_text("x 1\n")
-    claim = "Drain_Required boot=b since=1"
+    claim = f"Drain_Required boot={host.boot_id.read_text().strip()} since=1"
     annotate(
         host,
         {
@@ -141,6 +141,21 @@ def test_the_last_drain_claim_withdrawn_sets_the_node_idle(host: HostRoot) -> No
     pod = Pod(host, K)
     load(host, pod, "e2e")
     annotate(host, {"kvcd.io/e2e.drain": "Drain_Required boot=b since=1", "kvcd.io/drain": "x"})
+    assert pg.purge(host, "e2e", podman=lambda: pod) == []
+    assert node(host)["annotations"]["kvcd.io/drain"] == "Idle"
+
+
+def test_a_claim_of_an_earlier_boot_does_not_keep_the_node_draining(host: HostRoot) -> None:
+    pod = Pod(host, K)
+    load(host, pod, "e2e")
+    annotate(
+        host,
+        {
+            "kvcd.io/e2e.drain": f"Drain_Required boot={host.boot_id.read_text().strip()} since=1",
+            "kvcd.io/other.drain": "Reboot_Required boot=boot-before since=1",
+            "kvcd.io/drain": "Reboot_Required",
+        },
+    )
     assert pg.purge(host, "e2e", podman=lambda: pod) == []
     assert node(host)["annotations"]["kvcd.io/drain"] == "Idle"
 
