@@ -9,7 +9,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvcd.config.model import ConfigError
-from kvcd.config.rules import MAX_KVC_EXPANDED, MAX_KVC_VALUE
+from kvcd.config.rules import (
+    MAX_KVC_ENVIRONMENT,
+    MAX_KVC_EXPANDED,
+    MAX_KVC_VALUE,
+    MAX_KVC_VARIABLE,
+)
 
 __all__ = ["Assignment", "parse_assignments"]
 
@@ -62,6 +67,8 @@ class _Lexer:
         self.assigning = ""  # the variable whose value is being read
         self.exports: set[str] = set()  # names an `export` line names
         self.expanded = 0  # characters expanded into that value so far
+        self.env_sizes: dict[str, int] = {}  # bytes of each variable's NAME=VALUE and NUL
+        self.env_total = 0
         self.expanded_total = 0  # ... and into every value of the file
 
     # --- helpers ---
@@ -169,6 +176,24 @@ class _Lexer:
             raise self.fail(
                 f"the value of '{self.assigning}' is {len(value)} characters long; a KVC conf "
                 f"value may have at most {MAX_KVC_VALUE}",
+                line,
+            )
+        name = self.assigning
+        size = len(f"{name}={value}".encode(errors="surrogateescape"))
+        if size > MAX_KVC_VARIABLE:
+            raise self.fail(
+                f"'{name}=...' is {size} bytes (UTF-8); a variable handed to a KVC library may "
+                f"have at most {MAX_KVC_VARIABLE} (the kernel's bound on one environment "
+                "string is 128 KiB)",
+                line,
+            )
+        self.env_total += size + 1 - self.env_sizes.get(name, 0)
+        self.env_sizes[name] = size + 1
+        if self.env_total > MAX_KVC_ENVIRONMENT:
+            raise self.fail(
+                f"with '{name}' the variables of this conf are {self.env_total} bytes (UTF-8); "
+                f"a KVC library's environment from one conf may have at most "
+                f"{MAX_KVC_ENVIRONMENT} (well below the kernel's ARG_MAX)",
                 line,
             )
         return value

@@ -37,6 +37,7 @@ from kvcd.config.model import (
 )
 from kvcd.config.native import TomlInstance
 from kvcd.config.tomlsrc import KeyLines, decode
+from kvcd.core.text import shown
 
 if TYPE_CHECKING:
     from kvcd.config.kvcconf import Assignment
@@ -335,8 +336,20 @@ def _stems(directory: Path, suffix: str) -> Iterable[str]:
         if rules.INSTANCE_NAME.fullmatch(entry.stem):
             names.append(entry.stem)
         else:
-            log.warning("%s: ignored, %r is not a valid instance name", entry, entry.stem)
+            _ignored(entry)
     return names
+
+
+_said_ignored: set[Path] = set()
+
+
+def _ignored(entry: Path) -> None:
+    """Say once per process (a verb may list the instances more than once) that a file is not
+    an instance; its name escaped, so that it cannot forge a log line."""
+    if entry in _said_ignored:
+        return
+    _said_ignored.add(entry)
+    log.warning("%s: ignored, %r is not a valid instance name", shown(str(entry)), entry.stem)
 
 
 # --- KVC compatibility ---------------------------------------------------------------------

@@ -133,21 +133,9 @@ ENV_REFUSED = frozenset(
 ENV_REFUSED_PREFIXES = ("LD_", "BASH_FUNC_", "PYTHON")
 # What an exported KVC variable may not be: the environment of git, podman, perl … that says
 # what to run or which configuration to read (GIT_CONFIG_*, GIT_SSH_COMMAND, CONTAINERS_CONF).
-EXPORT_REFUSED_PREFIXES = (
-    "GIT_",
-    "CONTAINERS_",
-    "REGISTRY_AUTH_FILE",
-    "DOCKER_",
-    "XDG_",
-    "PERL",
-    "RUBY",
-    "NODE_",
-    "SSH_",
-    "GNUPG",
-    "OPENSSL_",
-    "SSL_",
-    "HOME",
-)
+EXPORT_REFUSED_PREFIXES: tuple[str, ...] = ("GIT_", "CONTAINERS_", "REGISTRY_AUTH_FILE", "XDG_")
+EXPORT_REFUSED_PREFIXES += ("DOCKER_", "PERL", "RUBY", "NODE_", "SSH_", "GNUPG", "OPENSSL_")
+EXPORT_REFUSED_PREFIXES += ("SSL_", "HOME")
 
 MAX_CONFIG_BYTES = 1 << 20
 UNSAFE = "it decides what runs in the kernel"
@@ -343,6 +331,11 @@ MAX_PARAM_VALUE = 4096  # characters: one sysfs page, what the kernel shows of a
 # lines of A="$A$A" would otherwise double a value into gigabytes (kvcd/config/kvcconf.py).
 MAX_KVC_VALUE = 1 << 16  # characters
 MAX_KVC_EXPANDED = MAX_CONFIG_BYTES  # characters
+# A conf's variables reach its library as environment strings (and, in daemon mode, as
+# systemd-run --setenv= arguments): the kernel takes at most 128 KiB for one such string
+# (MAX_ARG_STRLEN) and ARG_MAX (2 MiB with the default stack) for all of them with kvcd's own.
+MAX_KVC_VARIABLE = 128000  # bytes of NAME=VALUE in UTF-8: room left for "--setenv="
+MAX_KVC_ENVIRONMENT = 1 << 18  # bytes of one conf's NAME=VALUE strings, each with its NUL
 
 
 def valid_param_value(value: object, label: str) -> str:

@@ -88,11 +88,17 @@ def main(argv: list[str]) -> int:
         print("usage: kvcd-generator NORMAL_DIR [EARLY_DIR LATE_DIR]", file=sys.stderr)
         return 2
     root = HostRoot(Path(os.environ.get("KVCD_ROOT", "/")))
+    # What the config loader logs (an ignored file) goes out as the generator's, like its errors.
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("kvcd-generator: %(message)s"))
+    logging.getLogger().addHandler(said)
     try:
         _written, errors = generate(root, Path(argv[0]))
     except Exception as exc:  # a generator must not break booting
         print(f"kvcd-generator: {exc}", file=sys.stderr)
         return 0
+    finally:
+        logging.getLogger().removeHandler(said)
     for e in errors:
         print(f"kvcd-generator: {e}", file=sys.stderr)
     return 0

@@ -6,7 +6,6 @@ Reads files only (no podman, no D-Bus), so it is fast and works while the daemon
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
+from kvcd.core.text import shown
 from kvcd.daemon.record import Record, boot_id, known_names, unsaved
 from kvcd.host import files, intree, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
@@ -448,13 +448,3 @@ def render(entries: list[dict[str, Any]]) -> str:
         for w in e.get("warnings") or []:
             lines.append(f"  warning: {w}")
     return "\n".join(shown(line) for line in lines)
-
-
-# C0 and C1 control characters and DEL: in a record (or any file status reads) they would reach
-# the terminal as escape sequences or lines of their own.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def shown(text: str) -> str:
-    """`text` safe for a terminal line: each control character escaped ("\\x1b", "\\n")."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), text)

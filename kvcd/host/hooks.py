@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
-from kvcd.host.run import Completed, run, run_inherit
+from kvcd.host.run import Completed, run, run_group, run_inherit
 
 FUNCTIONS = ("build_kmods", "load_kmods", "unload_kmods", "wrapper")
 
@@ -66,12 +66,15 @@ def call(
     not in kvcd's own: the kvcd@ unit's sandbox (no namespaces, a system call filter, a narrow
     capability set) is too tight for the `podman run --privileged` and `podman build` that KVC
     libraries do, and it is kvcd that should be sandboxed, not an admin's driver tooling. The
-    function's output comes back on kvcd's pipes; its exit status is the unit's."""
+    function's output comes back on kvcd's pipes; its exit status is the unit's.
+
+    Without `unit` (the one-shot verbs), the call ends when bash does, and what the function left
+    running in its process group is stopped (run_group), as systemd stops a unit's leftovers."""
     if function not in FUNCTIONS[:3]:
         raise ValueError(f"not a KVC library function: {function}")
     argv = ["bash", _runner(), str(library), function]
     if unit is None:
-        return run(argv, env={**os.environ, **variables}, timeout=timeout)
+        return run_group(argv, env={**os.environ, **variables}, timeout=timeout)
     return run(transient(unit, argv, variables, timeout), timeout=timeout)
 
 

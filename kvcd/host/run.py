@@ -7,11 +7,16 @@ tests replace :data:`guard` to refuse anything that is not a fake command of the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 
 class CommandError(Exception):
@@ -83,6 +88,97 @@ def run(
     if check and proc.returncode != 0:
         raise CommandError(argv, proc.returncode, proc.stderr or proc.stdout)
     return done
+
+
+# Seconds what a command left in its process group has after SIGTERM before SIGKILL.
+LEFTOVER_GRACE = 10.0
+
+
+def run_group(
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None
+) -> Completed:
+    """Like :func:`run`, for a command that may leave children behind (`foo &`): it ends when
+    argv's own process exits, not when every copy of its stdout is closed. argv leads a process
+    group (a session) of its own; its output goes to temporary files. When it has exited (or timed
+    out), whatever is still in its group gets SIGTERM, and SIGKILL LEFTOVER_GRACE seconds later, as
+    systemd's KillMode=control-group ends a unit's leftovers. A child that left the group (setsid)
+    is not waited for either."""
+    if not argv:
+        raise ValueError("empty argv")
+    full_env = dict(os.environ if env is None else env)
+    exe = which(argv[0], full_env) if "/" not in argv[0] else argv[0]
+    if exe is None:
+        raise CommandError(argv, 127, f"{argv[0]}: command not found")
+    guard(argv, exe)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(
+                [exe, *argv[1:]], env=full_env, stdout=out, stderr=err, start_new_session=True
+            )
+        except OSError as exc:
+            raise CommandError(argv, 126, str(exc)) from exc
+        try:
+            exited = _exited(proc.pid, timeout)
+        finally:
+            # The leader is not reaped yet: its pid, the group's id, cannot be reused meanwhile.
+            _end_group(proc.pid)
+            rc = proc.wait()
+        stdout, stderr = (_text(f) for f in (out, err))
+    if not exited:
+        raise CommandError(argv, 124, f"timed out after {timeout}s")
+    if rc != 0:
+        raise CommandError(argv, rc, stderr or stdout)
+    return Completed(list(argv), rc, stdout, stderr)
+
+
+def _text(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
+
+
+def _exited(pid: int, timeout: float | None) -> bool:
+    """Wait until the child `pid` has exited, without reaping it; False after `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.001
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return True
+
+
+def _end_group(pgid: int) -> None:
+    if not _live_members(pgid):
+        return
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        _signal_group(pgid, sig)
+    deadline = time.monotonic() + LEFTOVER_GRACE
+    while _live_members(pgid):
+        if time.monotonic() >= deadline:
+            _signal_group(pgid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # all gone meanwhile
+        os.killpg(pgid, sig)
+
+
+def _live_members(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (zombies do not count)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def run_inherit(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:

@@ -537,6 +537,22 @@ def test_every_key_kvcd_accepts_is_in_the_shipped_examples() -> None:
     assert missing(REPO / "config/kvcd.toml", rules.SETTINGS_KEYS) == []
 
 
+def test_every_documented_instance_name_rule_is_the_code_s() -> None:
+    """The instance-name grammar, wherever a doc or shipped config spells it out, is
+    kvcd.core.names.INSTANCE_RULE (and INSTANCE_NAME checks exactly that)."""
+    from kvcd.core import names
+
+    assert names.INSTANCE_NAME.pattern == names.INSTANCE_RULE
+    spelled = re.compile(r"\[A-Za-z0-9\]\[A-Za-z0-9_[^\]]*\]\{0,127\}")
+    found = {
+        str(path.relative_to(REPO)): spelled.findall(path.read_text())
+        for path in [*DOCS, *sorted((REPO / "config").glob("*.toml"))]
+    }
+    assert found["README.md"] and found["config/example-instance.toml"]
+    wrong = {p: rules for p, rules in found.items() if set(rules) - {names.INSTANCE_RULE}}
+    assert wrong == {}
+
+
 def test_the_synopsis_names_every_verb_and_option() -> None:
     """The reverse of check_synopsis: a verb or option kvcd has is in README's synopsis."""
     (block,) = [b for b in ALL_BLOCKS if classify(b) == "synopsis" and b.doc.name == "README.md"]

@@ -135,6 +135,23 @@ load_kmods() {
 }
 """
 
+# Library functions that leave children behind: build_kmods one that escaped into a session of its
+# own (and still holds the function's output) and one in the function's process group, load_kmods
+# only the latter. pid files name them.
+LEFT_BEHIND = r"""
+build_kmods() {
+    setsid sleep 20 &
+    echo $! > "$PIDS/escaped"
+    sleep 20 </dev/null >/dev/null 2>&1 &
+    echo $! > "$PIDS/in-group"
+    echo "build_kmods returned"
+}
+load_kmods() {
+    sleep 20 </dev/null >/dev/null 2>&1 &
+    echo $! > "$PIDS/in-group"
+}
+"""
+
 
 @pytest.mark.parametrize("unit", [None, "kvcd-hook-drv-3.service"], ids=["inline", "unit"])
 def test_a_conf_variable_reaches_the_library_and_a_program_only_when_exported(
@@ -153,3 +170,39 @@ def test_a_conf_variable_reaches_the_library_and_a_program_only_when_exported(
         "child: NOTE=unset KMOD_NAMES=unset SHOWN=shown",
         "child: LATER=later KVC_KVER=6.1.0-56-amd64",
     ]
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its new parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.fixture
+def left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PIDS", str(tmp_path))
+    path = tmp_path / "drv-lib.sh"
+    path.write_text(LEFT_BEHIND)
+    return path
+
+
+def test_inline_the_call_ends_with_bash_not_with_a_child_that_holds_its_output(
+    left_behind: Path, tmp_path: Path
+) -> None:
+    done = hooks.call(left_behind, "build_kmods", variables())
+    escaped = int((tmp_path / "escaped").read_text())
+    try:
+        assert done.stdout == "build_kmods returned\n"
+        assert alive(escaped), "kvcd waited for the background child"
+    finally:
+        os.kill(escaped, 9)
+
+
+def test_inline_what_the_function_left_in_its_process_group_is_stopped(
+    left_behind: Path, tmp_path: Path
+) -> None:
+    hooks.call(left_behind, "load_kmods", variables())
+    assert not alive(int((tmp_path / "in-group").read_text()))

@@ -703,6 +703,23 @@ def test_list_instances_is_sorted_union(root: HostRoot) -> None:
     assert list_instances(root) == ["a", "b", "c", "shared"]
 
 
+def test_an_ignored_file_is_said_once_on_one_line_with_its_name_escaped(
+    root: HostRoot, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file name is data: its newline cannot start a log line of its own. And a process that
+    lists the instances more than once (status, check-config --all) says it once."""
+    admin, _vendor = root.instance_dirs()
+    write(admin / "n\nl.toml", "")
+    write(root.kvc_conf("c").parent / "esc\x1b[2J.conf", "")
+    assert list_instances(root) == list_instances(root) == []
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"{admin}/n\\nl.toml: ignored, 'n\\nl' is not a valid instance name",
+        f"{root.kvc_conf('c').parent}/esc\\x1b[2J.conf: ignored, 'esc\\x1b[2J' is not a "
+        "valid instance name",
+    ]
+
+
 def test_list_instances_empty_host(root: HostRoot) -> None:
     assert list_instances(root) == []
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvcd.config.loader import load_instance
 from kvcd.config.model import ConfigError, Settings
+from kvcd.config.rules import MAX_CONFIG_BYTES
 from kvcd.core import state
 from kvcd.core.depends import DependencyError, load_order, unload_order
 from kvcd.daemon import depends
@@ -200,6 +201,79 @@ def test_the_generator_stops_early_when_no_instance_has_depends_on(
     os.mkfifo(root.instance_dirs()[0] / "fifo.toml")
     assert run_generator(root, tmp_path / "out") == 0
     assert called == [True]  # not sure: the full run, which refuses the FIFO itself
+
+
+def test_the_generator_fast_path_reads_at_most_a_config_s_bound(
+    root: HostRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config larger than any config may be is not read to its end (a sparse gigabyte cost a
+    gigabyte at every daemon-reload): the full run, which names it, decides."""
+    instance(root, "base")
+    huge = root("/etc/kvcd/instances/huge.toml")
+    with huge.open("wb") as f:
+        f.truncate(1 << 30)  # sparse, no depends_on in it
+    reads: list[int] = []
+    real_read = os.read
+
+    def counted(fd: int, n: int) -> bytes:
+        data = real_read(fd, n)
+        reads.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "read", counted)
+    called: list[bool] = []
+    monkeypatch.setattr(depends, "generate", lambda *a: called.append(True) or ([], []))
+    assert run_generator(root, tmp_path / "out") == 0
+    assert called == [True]
+    assert sum(reads) <= 2 * MAX_CONFIG_BYTES
+
+
+def test_the_generator_fast_path_knows_kvcd_s_config_bound() -> None:
+    """It has its own copy, not to import kvcd: the same number."""
+    scope: dict[str, Any] = {}
+    script = (REPO / "systemd" / "kvcd-generator").read_text()
+    saved = sys.argv
+    sys.argv = ["kvcd-generator"]
+    try:
+        with pytest.raises(SystemExit):
+            exec(compile(script, "kvcd-generator", "exec"), scope)
+    finally:
+        sys.argv = saved
+    assert scope["MAX_CONFIG_BYTES"] == MAX_CONFIG_BYTES
+
+
+def test_a_failing_fast_path_leaves_the_answer_to_the_full_run(
+    root: HostRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a memory limit the fast path's read raised MemoryError and no drop-in was written."""
+    instance(root, "nic", ["base"])
+    instance(root, "base")
+    real_fstat = os.fstat
+    failed: list[bool] = []
+
+    def fstat_once(fd: int) -> os.stat_result:
+        if not failed:
+            failed.append(True)
+            raise MemoryError
+        return real_fstat(fd)
+
+    monkeypatch.setattr(os, "fstat", fstat_once)
+    out = tmp_path / "out"
+    assert run_generator(root, out) == 0
+    assert failed == [True]
+    assert (out / "kvcd@nic.service.d" / "50-kvcd-depends.conf").is_file()
+
+
+def test_the_generator_s_warnings_say_they_are_the_generator_s(
+    root: HostRoot, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    instance(root, "nic", ["base"])
+    instance(root, "base")
+    write(root("/etc/kvcd/instances/bad name.toml"), "")
+    assert run_generator(root, tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    assert "bad name.toml: ignored, 'bad name' is not a valid instance name" in err
+    assert all(line.startswith("kvcd-generator: ") for line in err.splitlines()), err
 
 
 def gate_context(root: HostRoot, deps: tuple[str, ...]) -> Context:

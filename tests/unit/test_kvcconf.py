@@ -107,6 +107,19 @@ def test_kvc_safe_subset_features() -> None:
     )
 
 
+def test_values_up_to_the_environment_bounds_are_accepted() -> None:
+    """128000 bytes of NAME=VALUE, and a conf's variables up to 262144 bytes in all (counting
+    each string's NUL; a reassigned variable counts once)."""
+    big = 'NOTE="' + "\u20ac" * 42665 + '"'  # NOTE= and 127995 bytes
+    config = parse_kvc_conf("simple-kmod", SRC, doc(*HEAD, big, big))
+    assert len(("NOTE=" + dict(config.kvc_env)["NOTE"]).encode()) == 128000
+    head = sum(len(h.replace('"', "").encode()) + 1 for h in HEAD)
+    rest = 262144 - head - 2 * 128001
+    parse_kvc_conf(
+        "simple-kmod", SRC, doc(*HEAD, big, big.replace("NOTE", "NUTE"), "R=" + "x" * (rest - 3))
+    )
+
+
 def test_later_assignment_wins_and_expands_earlier_value() -> None:
     text = doc(*HEAD, "V=1", "V=${V}2", "KMOD_SOFTWARE_VERSION=v$V")
     config = parse_kvc_conf("x", SRC, text)
@@ -261,7 +274,7 @@ BAD_KVC = [
     ),
     (
         "expansion-copies",  # each value under the bound, all of them together over it
-        doc(*HEAD, "A=" + "x" * 60000, *[f'B{i}="$A"' for i in range(30)]),
+        doc(*HEAD, "A=" + "x" * 60000, *['B="$A"' for _ in range(30)]),
         4 + 18,
         "expanding '$A' makes the expanded values of this file longer than 1048576 characters",
     ),
@@ -270,6 +283,21 @@ BAD_KVC = [
         doc(*HEAD, "A='" + "x" * 65537 + "'"),
         4,
         "the value of 'A' is 65537 characters long; a KVC conf value may have at most 65536",
+    ),
+    (
+        # 60000 characters, 180000 bytes: over the kernel's 128 KiB for one environment string
+        "multibyte-value",
+        doc(*HEAD, 'NOTE="' + "\u20ac" * 60000 + '"'),
+        4,
+        "'NOTE=...' is 180005 bytes (UTF-8); a variable handed to a KVC library may have at "
+        "most 128000",
+    ),
+    (
+        "environment-total",  # each variable under the bounds, the conf's together over them
+        doc(*HEAD, *[f'V{i}="' + "x" * 60000 + '"' for i in range(6)]),
+        4 + 4,
+        "with 'V4' the variables of this conf are 300181 bytes (UTF-8); a KVC library's "
+        "environment from one conf may have at most 262144",
     ),
     ("positional", doc(*HEAD, "A=$1"), 4, "special parameter '$1' is not allowed"),
     ("ansi-c-quote", doc(*HEAD, "A=$'\\x41'"), 4, "'$'...' quoting is not allowed"),
