@@ -649,6 +649,46 @@ def test_reporter_publishes_and_posts_an_event_per_state_change(
         rep.stop()
 
 
+def test_a_node_registered_again_gets_kvcds_keys_again(api: FakeAPI, tmp_path: Path) -> None:
+    """The Node is deleted and registered again (every annotation and label gone): the watch
+    sees it, the reporter asks for a report at once, and that report writes kvcd's keys again;
+    a report that finds them in place costs no PATCH."""
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None),
+    )
+    rep = Reporter(link)
+    c = ctx(tmp_path, settings)
+    asked = threading.Event()
+    c.post = lambda ev: asked.set() if ev.source == Reporter.name else None
+    record = Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b")
+    rep.start(c)
+    try:
+        rep.after(c, record)
+        ours = {k: v for k, v in api.node["metadata"]["annotations"].items() if "kvcd" in k}
+        assert ours["kvcd.io/nic.state"] == "Done"
+        writer = link.writer
+        assert writer is not None
+
+        def registered_again(meta: dict[str, Any]) -> None:
+            meta["annotations"], meta["labels"] = {}, {"kubernetes.io/hostname": NODE}
+
+        api.change(registered_again)
+        # (The watch's views of kvcd's own writes may have asked already: they can come late.)
+        assert until(lambda: writer.last is not None and not writer.last.annotations)
+        assert until(asked.is_set)
+        rep.after(c, record)
+        ann = api.node["metadata"]["annotations"]
+        assert {k: v for k, v in ann.items() if "kvcd" in k} == ours
+        assert api.node["metadata"]["labels"]["kvcd.io/upgradeable"] == "true"
+        before = len(patches(api))
+        rep.after(c, record)
+        assert len(patches(api)) == before
+    finally:
+        rep.stop()
+
+
 def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:
     """API server down from the start: the ordered-upgrade verdict holds (never unloads) and the
     reporter schedules a retry instead of failing the instance."""
