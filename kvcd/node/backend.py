@@ -73,6 +73,16 @@ class Backend(ABC):
         """Record an event about the node (Kubernetes Events); best effort."""
 
 
+def string_map(part: str, value: object) -> dict[str, str]:
+    """A node's labels or annotations as read from a store: a map of strings, else ValueError
+    naming `part` (never guess over it: a label read wrong could unload a driver)."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"{part!r} must be an object of strings")
+    return value
+
+
 def bounded(value: str) -> str:
     return value if len(value) <= MAX_VALUE else value[: MAX_VALUE - 1] + "…"
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcd.core import nodeevents
 from kvcd.host import pylibs
-from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes
+from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, changes, string_map
 
 log = logging.getLogger(__name__)
 # A dropped connection or two is routine (debug); this many failures in a row are said once in
@@ -120,7 +120,9 @@ class KubeBackend(Backend):
             try:
                 resp = fn()
                 data = resp.data if hasattr(resp, "data") else resp
-                return json.loads(data) if isinstance(data, (bytes, str)) else data
+                obj = json.loads(data) if isinstance(data, (bytes, str)) else data
+            except ValueError as exc:  # a 200 that is not JSON: a proxy's page, another server
+                raise Unavailable(f"{what}: the answer is not JSON ({exc})") from None
             except ApiException as exc:
                 if (exc.status == 409 and conflict_ok) or (exc.status == 404 and absent_ok):
                     return None
@@ -129,6 +131,10 @@ class KubeBackend(Backend):
                     raise Unavailable(last) from None
             except (HTTPError, OSError) as exc:
                 last = f"{what}: {type(exc).__name__}: {exc}"
+            else:
+                if not isinstance(obj, dict):  # every answer kvcd asks for is one object
+                    raise Unavailable(f"{what}: the answer is not a JSON object: {data!r:.60}")
+                return obj
             if attempt + 1 < self.attempts:
                 log.debug("%s; retrying", last)
                 self.sleep(self._delay(attempt))
@@ -136,14 +142,32 @@ class KubeBackend(Backend):
 
     # --- read / write ---------------------------------------------------------------------
     def _view(self, obj: Mapping[str, Any]) -> NodeView:
-        meta = obj.get("metadata") or {}
-        self._uid = meta.get("uid", self._uid) or self._uid
-        return NodeView(
-            self.name,
-            dict(meta.get("labels") or {}),
-            dict(meta.get("annotations") or {}),
-            str(meta.get("resourceVersion", "")),
-        )
+        """This Node as the API answered it; Unavailable when the answer is not this Node (a
+        Status, another node's object, labels that are not strings): never read as "no labels",
+        which makes an ordered upgrade unload the driver."""
+
+        def wrong(why: str) -> Unavailable:
+            return Unavailable(f"node {self.name}: the API's answer {why}")
+
+        kind, version = obj.get("kind"), obj.get("apiVersion")
+        if (kind, version) != ("Node", "v1"):
+            raise wrong(f"is kind {kind!r:.40}, apiVersion {version!r:.40}, not a v1 Node")
+        meta = obj.get("metadata")
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict) or name != self.name:
+            raise wrong(f"is node {name!r:.80}, not {self.name!r}")
+        try:
+            labels, annotations = (
+                string_map(part, {} if meta.get(part) is None else meta.get(part))
+                for part in ("labels", "annotations")
+            )
+        except ValueError as exc:
+            raise wrong(str(exc)) from None
+        rv, uid = meta.get("resourceVersion", ""), meta.get("uid", "")
+        if not isinstance(rv, str) or not isinstance(uid, str):
+            raise wrong("has a resourceVersion or uid that is not a string")
+        self._uid = uid or self._uid
+        return NodeView(self.name, dict(labels), dict(annotations), rv)
 
     def read(self) -> NodeView:
         api = self.api()
@@ -234,13 +258,15 @@ class KubeBackend(Backend):
                         return
                     obj = ev.get("raw_object") or {}
                     if ev.get("type") == "ERROR":
-                        if obj.get("code") == 410:
-                            raise ApiException(status=410, reason="Gone")
-                        raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
+                        said_as = obj.get("reason") or obj.get("message")  # 410: re-list
+                        raise ApiException(status=obj.get("code", 500), reason=said_as)
+                    # Checked before it moves rv: an object that is not this Node is not news
+                    # (Unavailable: back off, then re-list rather than resume past it).
+                    node = self._view(obj) if ev.get("type") in ("ADDED", "MODIFIED") else None
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
                     working()
-                    if ev.get("type") in ("ADDED", "MODIFIED"):
-                        on_change(self._view(obj))
+                    if node is not None:
+                        on_change(node)
                 working()
             except ApiException as exc:
                 if exc.status == 410:
@@ -251,7 +277,7 @@ class KubeBackend(Backend):
                 # Refused credentials do not fix themselves: say so at once.
                 failures = max(failures + 1, WATCH_WARN_AFTER if exc.status in (401, 403) else 0)
             except Unavailable as exc:
-                failures, why = failures + 1, str(exc)
+                failures, why, rv = failures + 1, str(exc), None
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
                 failures, why = failures + 1, f"{type(exc).__name__}: {exc}"
             if failures:
@@ -327,7 +353,8 @@ class KubeBackend(Backend):
                 _request_timeout=self.request_timeout,
             ),
         )
-        count = int(found.get("count") or 1) + 1
+        count = found.get("count")
+        count = (count if isinstance(count, int) and count > 0 else 1) + 1
         if self._count_event(api, d, count, now):
             self._events.correct(d.name, count)
 
