@@ -253,8 +253,8 @@ def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]
     """KEY=VALUE sets, KEY- removes (kubectl's syntax). Raises ValueError naming the bad one.
     Label values must be what Kubernetes accepts on a Node, so a file-backend node never holds
     a label a cluster would refuse."""
-    from kvcd.config.rules import qualified_name
-    from kvcd.core.labels import LABEL_VALUE_RULE, valid_label_value
+    from kvcd.config.rules import has_control, qualified_name
+    from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
 
     out: dict[str, str | None] = {}
     for edit in edits:
@@ -268,8 +268,14 @@ def parse_edits(edits: list[str], labels: bool = False) -> dict[str, str | None]
             qualified_name(key, "key")
         except Exception as exc:
             raise ValueError(f"{edit!r}: {exc}") from None
-        if value is not None and ("\n" in value or "\0" in value or len(value) > 1024):
-            raise ValueError(f"{edit!r}: the value must be one line of at most 1024 characters")
+        if value is not None and (has_control(value) or len(value) > 1024):
+            raise ValueError(
+                f"{edit!r}: the value must be one line of at most 1024 characters, "
+                "without control characters"
+            )
+        kmm = kmm_label_problem(key) if value is not None else None  # removing one stays possible
+        if kmm:
+            raise ValueError(kmm)
         if labels and value is not None and not valid_label_value(value):
             raise ValueError(f"{edit!r}: {LABEL_VALUE_RULE}")
         out[key] = value

@@ -271,6 +271,26 @@ def test_event_reason_is_stable_vocabulary(rec: Record, reason: str) -> None:
         (["Bad_Prefix/x=1"], "must be a label key"),
         ([f"{'x' * 64}=1"], "must be a label key"),
         (["k=a\nb"], "one line"),
+        (["k=a\rb"], "one line"),  # a carriage return would rewrite the listed line
+        (["k=\x1b[31mred"], "one line"),  # an escape sequence would reach the terminal raw
+        (["k=a\tb"], "one line"),
+        (["k=a\x7fb"], "one line"),
+        (["k=ünïcode ok"], {"k": "ünïcode ok"}),
+        # KMM's ordered-upgrade label: no more than KMM itself can make (check-config's rule).
+        (
+            ["kmm.node.kubernetes.io/version-module.drivers.e2e=1.0"],
+            {"kmm.node.kubernetes.io/version-module.drivers.e2e": "1.0"},
+        ),
+        (
+            [f"kmm.node.kubernetes.io/version-module.{'a' * 25}.{'b' * 21}=1.0"],
+            "KMM allows at most 39 characters",
+        ),
+        (["kmm.node.kubernetes.io/version-module.nons=1.0"], "<namespace>.<module name>"),
+        # Removing one set before kvcd refused it stays possible.
+        (
+            ["kmm.node.kubernetes.io/version-module.nons-"],
+            {"kmm.node.kubernetes.io/version-module.nons": None},
+        ),
     ],
 )
 def test_parse_edits(edits: list[str], result: dict[str, str | None] | str) -> None:
