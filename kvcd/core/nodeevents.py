@@ -128,9 +128,21 @@ class Decision:
     count: int = 0  # its count after this one (COUNT: as far as this process knows)
 
 
+# An object name is a DNS subdomain of at most 253 characters; a node name may be 253 itself.
+NAME_MAX = 253
+_TAIL = len(".kvcd-") + 16
+
+
 def event_name(node: str, reason: str, message: str, warning: bool) -> str:
-    digest = hashlib.sha256(f"{reason}\0{int(warning)}\0{message}".encode()).hexdigest()
-    return f"{node}.kvcd-{digest[:16]}"
+    """`<node>.kvcd-<digest of reason, type and message>`. A node name too long for that is cut
+    (and its cut end trimmed to a letter or digit, as a DNS subdomain must end), and the whole
+    name goes into the digest, so nodes that share the kept part still differ."""
+    basis = f"{reason}\0{int(warning)}\0{message}"
+    keep = node
+    if len(node) + _TAIL > NAME_MAX:
+        keep = node[: NAME_MAX - _TAIL].rstrip(".-")
+        basis = f"{node}\0{basis}"
+    return f"{keep}.kvcd-{hashlib.sha256(basis.encode()).hexdigest()[:16]}"
 
 
 class Correlator:

@@ -35,6 +35,7 @@ from kvcd.node.backend import (
     NodeView,
     NodeWriter,
     Unavailable,
+    holds,
     node_name,
 )
 from kvcd.node.keys import Keys
@@ -82,6 +83,8 @@ class NodeLink:
             self.backend.watch(self._changed)
         except Exception as exc:  # a watch that cannot start: reconciles still read fresh
             log.warning("node watch did not start: %s", exc, extra=ctx.fields)
+        else:
+            self.writer.watched = True  # its views are fresh: a write they show done is skipped
 
     def _changed(self, view: NodeView) -> None:
         if self.writer is not None:
@@ -148,15 +151,23 @@ class Reporter(Extension):
         self._timer: threading.Timer | None = None
         self._attempt = 0
         self._since: float | None = None  # when the node became unreachable (None: it is not)
-        self._gated: tuple[str | None] | None = None  # the next-kernel value the gate last saw
         # Event posts that fail (no RBAC for events, the API server's errors): said once at
         # WARNING, the next post that works at INFO; the node's annotations do not wait on them.
         self._posts = Failing(log, "node events", then=UNTIL_POSTED, again="posted again")
+        self._wrote: dict[str, str | None] = {}  # the annotations the last report wrote
 
     def start(self, ctx: Context) -> None:
         self._ctx = ctx
         ctx.root.node_note(ctx.name).unlink(missing_ok=True)  # an earlier daemon's
-        self.link.start(ctx)
+
+        def changed(view: NodeView) -> None:  # watch thread: compare and post only
+            # Someone else removed or changed kvcd's keys (a node registered again, `kubectl
+            # annotate … key-`): report again now, not at the next state change.
+            gate = self._gate_patches(view)
+            if not holds(view, self._wrote) or not holds(view, *gate):
+                ctx.post(Event(self.name, "node changed kvcd's keys"))
+
+        self.link.start(ctx, changed)
 
     def stop(self) -> None:
         self._cancel()
@@ -193,25 +204,22 @@ class Reporter(Extension):
         self._timer.daemon = True
         self._timer.start()
 
-    def _gate(self, next_kernel: str | None) -> bool:
-        """The node-wide OS-update gate (kvcd/core/upgradegate.py), recomputed from the node's
-        annotations whenever this instance's next-kernel value changes; False: unreachable."""
-        if self._gated == (next_kernel,):
-            return True
+    def _gate_patches(self, view: NodeView) -> tuple[dict[str, str | None], dict[str, str | None]]:
+        prefix = self.link.prefix
+        return (
+            upgradegate.annotation_patch(view.annotations, prefix),
+            upgradegate.label_patch(view.annotations, prefix),
+        )
+
+    def _gate(self) -> bool:
+        """The node-wide OS-update gate (kvcd/core/upgradegate.py), computed from the node's
+        annotations; written unless the node as last seen holds it; False: unreachable."""
         writer = self.link.writer
         assert writer is not None
-        prefix = self.link.prefix
-
-        def annotations(view: NodeView) -> dict[str, str | None]:
-            return upgradegate.annotation_patch(view.annotations, prefix)
-
-        def labels(view: NodeView) -> dict[str, str | None]:
-            return upgradegate.label_patch(view.annotations, prefix)
-
-        if not writer.update(annotations, labels):
-            return False
-        self._gated = (next_kernel,)
-        return True
+        view = writer.live()
+        if view is not None and holds(view, *self._gate_patches(view)):
+            return True
+        return writer.update(lambda v: self._gate_patches(v)[0], lambda v: self._gate_patches(v)[1])
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         writer = self.link.writer
@@ -224,7 +232,8 @@ class Reporter(Extension):
             self._unreachable(ctx, writer.failing or "unavailable")
             self._retry_later(ctx)
             return None
-        if not self._gate(patch[keys.of("next-kernel")]):
+        self._wrote = patch
+        if not self._gate():
             self._unreachable(ctx, writer.failing or "unavailable")
             self._retry_later(ctx)
             return None
@@ -254,9 +263,9 @@ def parse_edits(
     Label values must be what Kubernetes accepts on a Node, so a file-backend node never holds
     a label a cluster would refuse. `claims`: the annotation prefix, whose drain claims
     (`<prefix>/<stem>.drain`) must be ones kvcd reads (a claim it cannot read is no claim)."""
-    from kvcd.config.rules import qualified_name
+    from kvcd.config.rules import has_control, qualified_name
     from kvcd.core import drain as hs
-    from kvcd.core.labels import LABEL_VALUE_RULE, valid_label_value
+    from kvcd.core.labels import LABEL_VALUE_RULE, kmm_label_problem, valid_label_value
 
     out: dict[str, str | None] = {}
     for edit in edits:
@@ -270,8 +279,14 @@ def parse_edits(
             qualified_name(key, "key")
         except Exception as exc:
             raise ValueError(f"{edit!r}: {exc}") from None
-        if value is not None and ("\n" in value or "\0" in value or len(value) > 1024):
-            raise ValueError(f"{edit!r}: the value must be one line of at most 1024 characters")
+        if value is not None and (has_control(value) or len(value) > 1024):
+            raise ValueError(
+                f"{edit!r}: the value must be one line of at most 1024 characters, "
+                "without control characters"
+            )
+        kmm = kmm_label_problem(key) if value is not None else None  # removing one stays possible
+        if kmm:
+            raise ValueError(kmm)
         if labels and value is not None and not valid_label_value(value):
             raise ValueError(f"{edit!r}: {LABEL_VALUE_RULE}")
         claim = claims and value is not None and hs.is_claim_key(key, claims)

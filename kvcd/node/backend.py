@@ -5,8 +5,9 @@ and `kube.KubeBackend` (the Kubernetes API through the official client, imported
 `NodeWriter` is the one serialized writer per node object per process that the daemon uses.
 
 Rules every backend keeps (DESIGN.md "reporter"): only kvcd's own annotation keys are written
-(a merge of those keys, never the whole object); a write that changes nothing is skipped; every
-write re-reads first (so Working never overwrites a Degraded written by someone else unseen);
+(a merge of those keys, never the whole object); a write that changes nothing is skipped, judged
+by the node as read (never by what kvcd wrote before: someone else may have removed it since);
+every write re-reads first (so Working never overwrites a Degraded written by someone else unseen);
 reasons are bounded. A backend that cannot reach its store raises `Unavailable` (transient): the
 daemon keeps its modules and retries, it never unloads because it cannot report.
 """
@@ -77,6 +78,16 @@ class Backend(ABC):
         """Record an event about the node (Kubernetes Events); best effort."""
 
 
+def string_map(part: str, value: object) -> dict[str, str]:
+    """A node's labels or annotations as read from a store: a map of strings, else ValueError
+    naming `part` (never guess over it: a label read wrong could unload a driver)."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"{part!r} must be an object of strings")
+    return value
+
+
 def bounded(value: str) -> str:
     return value if len(value) <= MAX_VALUE else value[: MAX_VALUE - 1] + "…"
 
@@ -139,15 +150,34 @@ class Failing:
             self.said = False
 
 
+def holds(view: NodeView, annotations: Patch, labels: Patch | None = None) -> bool:
+    """Whether `view` already has these values (None: the key is absent): writing them would
+    change nothing."""
+    return not changes(view.annotations, annotations) and not (
+        labels is not None and changes(view.labels, labels)
+    )
+
+
 class NodeWriter:
     """The process's single writer for its node: serializes writes, skips no-ops, keeps the last
-    view it saw (from its own writes or the watch), and turns `Unavailable` into "retry later"."""
+    view it saw (from its own reads and writes, or the watch), and turns `Unavailable` into
+    "retry later".
 
-    def __init__(self, backend: Backend) -> None:
+    A write is skipped only when the node as last read holds its values, never because kvcd
+    wrote them before: someone else may have removed or overwritten them since (a node deleted
+    and registered again, `kubectl annotate … key-`). That view is trusted only while a watch
+    runs (`watched`, set by the daemon's NodeLink once its watch started), the store is
+    reachable, and the watch has shown nothing else since: a view from the watch that differs
+    from it (someone else's change, or an older view arriving late) is not trusted in turn, it
+    makes the next write re-read (Backend.update, which still writes nothing when the node
+    holds the values)."""
+
+    def __init__(self, backend: Backend, *, watched: bool = False) -> None:
         self.backend = backend
+        self.watched = watched
         self._lock = threading.Lock()
         self._last: NodeView | None = None
-        self._written: dict[str, str | None] = {}
+        self._stale = False  # the next write re-reads (the watch showed a change; forget())
         self.failing: str | None = None  # the last Unavailable message, None when healthy
 
     @property
@@ -155,38 +185,46 @@ class NodeWriter:
         with self._lock:
             return self._last
 
-    def seen(self, view: NodeView) -> None:
-        """A fresh view from the watch thread."""
+    def live(self) -> NodeView | None:
+        """The last view read, when it can stand for the node now (see the class); None: read
+        before deciding anything by it."""
         with self._lock:
-            self._last = view
+            if not self.watched or self._stale or self.failing is not None:
+                return None
+            return self._last
+
+    def seen(self, view: NodeView) -> None:
+        """A view from the watch thread. It may be older than the last read (a watch lags):
+        unless it is that view again (the echo of kvcd's own write), the next write re-reads."""
+        with self._lock:
+            if view != self._last:
+                self._last = view
+                self._stale = True
 
     def read(self) -> NodeView | None:
         """A fresh read, or the last view when the store is unreachable (None if never read)."""
-        try:
-            view = self.backend.read()
-        except Unavailable as exc:
-            self._failed(exc)
-            return self.last
+        # Under the lock, as update: a change the watch shows meanwhile must leave the view
+        # stale, not be overtaken by this read's view, which may predate it.
         with self._lock:
+            try:
+                view = self.backend.read()
+            except Unavailable as exc:
+                self._failed_locked(exc)
+                return self._last
             self._last = view
+            self._stale = False
             self.failing = None
-        return view
+            return view
 
     def write(self, patch: Patch) -> bool:
-        """Merge `patch` into our keys. Skips without I/O when we wrote exactly this before and
-        the store has been reachable since. Returns False when the store was unreachable (the
+        """Merge `patch` into our keys. Skips without I/O when the node as last seen (see the
+        class) holds exactly these values. Returns False when the store was unreachable (the
         caller retries later)."""
         wanted = {k: (None if v is None else bounded(v)) for k, v in patch.items()}
-        with self._lock:
-            if self.failing is None and all(
-                k in self._written and self._written[k] == v for k, v in wanted.items()
-            ):
-                return True
-        if not self.update(lambda _view: wanted):
-            return False
-        with self._lock:
-            self._written.update(wanted)
-        return True
+        view = self.live()
+        if view is not None and holds(view, wanted):
+            return True
+        return self.update(lambda _view: wanted)
 
     def update(
         self,
@@ -201,13 +239,15 @@ class NodeWriter:
                 self._failed_locked(exc)
                 return False
             self._last = view
+            self._stale = False
             self.failing = None
             return True
 
     def forget(self) -> None:
-        """Drop the no-op cache (someone else may have written our keys): next write re-reads."""
+        """Do not trust the last view (someone else may have written our keys): the next write
+        re-reads."""
         with self._lock:
-            self._written.clear()
+            self._stale = True
 
     def _failed(self, exc: Unavailable) -> None:
         with self._lock:

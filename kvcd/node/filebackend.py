@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 from kvcd.core import state
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
-from kvcd.node.backend import Backend, NodeView, Patch, Unavailable, apply_patch, changes
+from kvcd.node.backend import (
+    Backend,
+    NodeView,
+    Patch,
+    Unavailable,
+    apply_patch,
+    changes,
+    string_map,
+)
 
 if TYPE_CHECKING:
     from kvcd.host.fswatch import DirWatch
@@ -43,12 +51,10 @@ def parse_node(path: Path, raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise files.Damaged(path, "must hold a JSON object")
     for part in ("labels", "annotations"):
-        value = data.get(part, {})
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
-            raise files.Damaged(path, f"{part!r} must be an object of strings")
-        data[part] = value
+        try:
+            data[part] = string_map(part, data.get(part, {}))
+        except ValueError as exc:
+            raise files.Damaged(path, str(exc)) from None
     generation = data.get("generation", 0)
     if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
         raise files.Damaged(path, f"'generation' must be a count, not {generation!r:.40}")

@@ -40,6 +40,7 @@ from kvcd.node.backend import (
     Refused,
     Unavailable,
     changes,
+    string_map,
 )
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,9 @@ class KubeBackend(Backend):
             try:
                 resp = fn()
                 data = resp.data if hasattr(resp, "data") else resp
-                return json.loads(data) if isinstance(data, (bytes, str)) else data
+                obj = json.loads(data) if isinstance(data, (bytes, str)) else data
+            except ValueError as exc:  # a 200 that is not JSON: a proxy's page, another server
+                raise Unavailable(f"{what}: the answer is not JSON ({exc})") from None
             except ApiException as exc:
                 if (exc.status == 409 and conflict_ok) or (exc.status == 404 and absent_ok):
                     return None
@@ -157,6 +160,10 @@ class KubeBackend(Backend):
                     raise Unavailable(last) from None
             except (HTTPError, OSError) as exc:
                 last = f"{what}: {type(exc).__name__}: {exc}"
+            else:
+                if not isinstance(obj, dict):  # every answer kvcd asks for is one object
+                    raise Unavailable(f"{what}: the answer is not a JSON object: {data!r:.60}")
+                return obj
             if attempt + 1 < self.attempts:
                 log.debug("%s; retrying", last)
                 self.sleep(self._delay(attempt))
@@ -164,14 +171,32 @@ class KubeBackend(Backend):
 
     # --- read / write ---------------------------------------------------------------------
     def _view(self, obj: Mapping[str, Any]) -> NodeView:
-        meta = obj.get("metadata") or {}
-        self._uid = meta.get("uid", self._uid) or self._uid
-        return NodeView(
-            self.name,
-            dict(meta.get("labels") or {}),
-            dict(meta.get("annotations") or {}),
-            str(meta.get("resourceVersion", "")),
-        )
+        """This Node as the API answered it; Unavailable when the answer is not this Node (a
+        Status, another node's object, labels that are not strings): never read as "no labels",
+        which makes an ordered upgrade unload the driver."""
+
+        def wrong(why: str) -> Unavailable:
+            return Unavailable(f"node {self.name}: the API's answer {why}")
+
+        kind, version = obj.get("kind"), obj.get("apiVersion")
+        if (kind, version) != ("Node", "v1"):
+            raise wrong(f"is kind {kind!r:.40}, apiVersion {version!r:.40}, not a v1 Node")
+        meta = obj.get("metadata")
+        name = meta.get("name") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict) or name != self.name:
+            raise wrong(f"is node {name!r:.80}, not {self.name!r}")
+        try:
+            labels, annotations = (
+                string_map(part, {} if meta.get(part) is None else meta.get(part))
+                for part in ("labels", "annotations")
+            )
+        except ValueError as exc:
+            raise wrong(str(exc)) from None
+        rv, uid = meta.get("resourceVersion", ""), meta.get("uid", "")
+        if not isinstance(rv, str) or not isinstance(uid, str):
+            raise wrong("has a resourceVersion or uid that is not a string")
+        self._uid = uid or self._uid
+        return NodeView(self.name, dict(labels), dict(annotations), rv)
 
     def read(self) -> NodeView:
         api = self.api()
@@ -253,13 +278,15 @@ class KubeBackend(Backend):
                         return
                     obj = ev.get("raw_object") or {}
                     if ev.get("type") == "ERROR":
-                        if obj.get("code") == 410:
-                            raise ApiException(status=410, reason="Gone")
-                        raise ApiException(status=obj.get("code", 500), reason=obj.get("message"))
+                        said_as = obj.get("reason") or obj.get("message")  # 410: re-list
+                        raise ApiException(status=obj.get("code", 500), reason=said_as)
+                    # Checked before it moves rv: an object that is not this Node is not news
+                    # (Unavailable: back off, then re-list rather than resume past it).
+                    node = self._view(obj) if ev.get("type") in ("ADDED", "MODIFIED") else None
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
                     failing.worked()
-                    if ev.get("type") in ("ADDED", "MODIFIED"):
-                        on_change(self._view(obj))
+                    if node is not None:
+                        on_change(node)
                 failing.worked()
                 continue
             except ApiException as exc:
@@ -273,6 +300,7 @@ class KubeBackend(Backend):
                 failing.failed(why + refusal(exc.status, "watch", "nodes"), at_once=refused)
             except Unavailable as exc:
                 failing.failed(str(exc), at_once=isinstance(exc, Refused))
+                rv = None  # an answer that is not this Node: re-list, never resume past it
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
                 failing.failed(f"{type(exc).__name__}: {exc}")
             self._stop.wait(self._delay(min(failing.failures - 1, 6)))
@@ -342,7 +370,8 @@ class KubeBackend(Backend):
                 _request_timeout=self.request_timeout,
             ),
         )
-        count = int(found.get("count") or 1) + 1
+        count = found.get("count")
+        count = (count if isinstance(count, int) and count > 0 else 1) + 1
         if self._count_event(api, d, count, now):
             self._events.correct(d.name, count)
 

@@ -5,7 +5,8 @@ client talks to a small HTTP server in this test that implements the API paths k
 the API's semantics where they matter: GET and JSON-merge-PATCH of a Node (a PATCH carrying a
 stale metadata.resourceVersion is a 409 Conflict), list + watch of one node by fieldSelector
 (resourceVersion, bookmarks, 410 Gone as an ERROR event once history is compacted), and POST of
-core/v1 Events. Faults are injected per request: 409, 410, 429, 500 and dropped connections.
+core/v1 Events. Faults are injected per request: 409, 410, 429, 500, dropped connections, and
+a 200 whose body is not this Node (a proxy's page, a Status, another node's object).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -120,6 +122,13 @@ def make_handler(api: FakeAPI) -> type[BaseHTTPRequestHandler]:
                 return False
             if f == "drop":
                 self._drop()
+            elif isinstance(f, tuple):  # (content type, body): a 200 whose body is not a Node
+                ctype, raw = f
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
             elif callable(f):  # a concurrent writer acts first; the request then proceeds
                 api.change(f)
                 return False
@@ -425,6 +434,105 @@ def test_missing_credentials_are_unavailable(tmp_path: Path) -> None:
         be.read()
 
 
+def node_body(change: Any) -> bytes:
+    node = FakeAPI().node
+    change(node)
+    return json.dumps(node).encode()
+
+
+STATUS = {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}
+# A 200 whose body is not this Node (a proxy, a kubeconfig pointing elsewhere): the node store is
+# unavailable, said with what was wrong; never read as "no labels" (an ordered upgrade would
+# unload the driver) and never an error that escapes the daemon's loop.
+MALFORMED = [
+    ("an HTML page", "text/html", b"<html><body>Sign in</body></html>", "not JSON"),
+    ("null", "application/json", b"null", "not a JSON object"),
+    ("a list", "application/json", b"[]", "not a JSON object"),
+    ("an empty object", "application/json", b"{}", "kind None, apiVersion None, not a v1 Node"),
+    ("a Status", "application/json", json.dumps(STATUS).encode(), "kind 'Status'"),
+    (
+        "another node's object",
+        "application/json",
+        node_body(lambda n: n["metadata"].update(name="worker-2")),
+        "is node 'worker-2', not 'worker-1'",
+    ),
+    (
+        "no metadata",
+        "application/json",
+        node_body(lambda n: n.pop("metadata")),
+        "is node None, not 'worker-1'",
+    ),
+    (
+        "labels a string",
+        "application/json",
+        node_body(lambda n: n["metadata"].update(labels="kvcd.io/version.nic=1.0")),
+        "'labels' must be an object of strings",
+    ),
+    (
+        "an annotation value an int",
+        "application/json",
+        node_body(lambda n: n["metadata"]["annotations"].update({"kvcd.io/drain-request": 1})),
+        "'annotations' must be an object of strings",
+    ),
+    (
+        "a resourceVersion that is not a string",
+        "application/json",
+        node_body(lambda n: n["metadata"].update(resourceVersion=[1])),
+        "resourceVersion",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("ctype", "raw", "says"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
+)
+def test_a_body_that_is_not_this_node_is_unavailable(
+    api: FakeAPI, backend: Any, tmp_path: Path, ctype: str, raw: bytes, says: str
+) -> None:
+    be, sleeps = backend
+    api.faults["GET node"] = [(ctype, raw)] * 50
+    with pytest.raises(Unavailable, match=re.escape(says)):
+        be.read()
+    assert sleeps == []  # not retried at once: the daemon's retry comes later
+    with pytest.raises(Unavailable, match=re.escape(says)):
+        be.update(lambda _v: {"kvcd.io/nic.state": "Done"})
+    assert patches(api) == []
+    # The ordered upgrade holds the modules as they are, never unloads for "no label".
+    settings = Settings(node_backend="kubernetes", kubeconfig=be.kubeconfig)
+    up = OrderedUpgrade(NodeLink(settings, opener=lambda _c: be))
+    c = ctx(tmp_path, settings)
+    up.start(c)
+    try:
+        v = up.verdict(c, [])
+        assert v is not None and (v.verb, v.state) == (HOLD, "Working")
+        assert v.reason.startswith("NodeUnavailable") and says in v.reason
+    finally:
+        up.stop()
+    # The answer to a PATCH is checked too.
+    api.faults["GET node"] = []
+    api.faults["PATCH node"] = [(ctype, raw)]
+    with pytest.raises(Unavailable, match=re.escape(says)):
+        be.update(lambda _v: {"kvcd.io/nic.state": "Done"})
+
+
+def test_a_watch_event_that_is_not_this_node_is_not_delivered(api: FakeAPI, backend: Any) -> None:
+    be, _ = backend
+    views: list[NodeView] = []
+    good = threading.Event()
+
+    def changed(view: NodeView) -> None:
+        views.append(view)
+        if view.labels.get("kvcd.io/version.nic") == "2":
+            good.set()
+
+    be.watch(changed)
+    assert until(lambda: api.watching == 1)
+    api.change(lambda m: m.update(name="worker-2", labels={}))  # another node's object
+    api.change(lambda m: m.update(name=NODE, labels={"kvcd.io/version.nic": "2"}))
+    assert good.wait(timeout=30)
+    assert all(v.labels for v in views), views  # the other node's "no labels" never arrived
+
+
 def until(pred: Any, timeout: float = 30.0) -> bool:
     """Wait (bounded) for a condition on the server's state; not a timing assertion."""
     done = threading.Event()
@@ -725,6 +833,46 @@ def test_a_failing_event_post_is_said_once_and_its_recovery_too(
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("LoadFailed not posted" in m for m in debug), debug  # the second: debug only
     assert infos.count("node events: posted again") == 1, infos
+
+
+def test_a_node_registered_again_gets_kvcds_keys_again(api: FakeAPI, tmp_path: Path) -> None:
+    """The Node is deleted and registered again (every annotation and label gone): the watch
+    sees it, the reporter asks for a report at once, and that report writes kvcd's keys again;
+    a report that finds them in place costs no PATCH."""
+    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
+    link = NodeLink(
+        settings,
+        opener=lambda c: KubeBackend(NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None),
+    )
+    rep = Reporter(link)
+    c = ctx(tmp_path, settings)
+    asked = threading.Event()
+    c.post = lambda ev: asked.set() if ev.source == Reporter.name else None
+    record = Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b")
+    rep.start(c)
+    try:
+        rep.after(c, record)
+        ours = {k: v for k, v in api.node["metadata"]["annotations"].items() if "kvcd" in k}
+        assert ours["kvcd.io/nic.state"] == "Done"
+        writer = link.writer
+        assert writer is not None
+
+        def registered_again(meta: dict[str, Any]) -> None:
+            meta["annotations"], meta["labels"] = {}, {"kubernetes.io/hostname": NODE}
+
+        api.change(registered_again)
+        # (The watch's views of kvcd's own writes may have asked already: they can come late.)
+        assert until(lambda: writer.last is not None and not writer.last.annotations)
+        assert until(asked.is_set)
+        rep.after(c, record)
+        ann = api.node["metadata"]["annotations"]
+        assert {k: v for k, v in ann.items() if "kvcd" in k} == ours
+        assert api.node["metadata"]["labels"]["kvcd.io/upgradeable"] == "true"
+        before = len(patches(api))
+        rep.after(c, record)
+        assert len(patches(api)) == before
+    finally:
+        rep.stop()
 
 
 def test_unreachable_api_keeps_modules(tmp_path: Path) -> None:

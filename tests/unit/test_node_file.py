@@ -133,7 +133,7 @@ class CountingBackend(FileBackend):
 
 def test_writer_skips_repeats_and_retries_after_failure(root: HostRoot) -> None:
     be = CountingBackend(root)
-    w = NodeWriter(be)
+    w = NodeWriter(be, watched=True)  # the daemon's: a watch keeps its last view fresh
     assert w.write({"kvcd.io/i.state": "Done"})
     assert w.write({"kvcd.io/i.state": "Done"})
     assert be.updates == 1  # the repeat cost no I/O
@@ -147,13 +147,49 @@ def test_writer_skips_repeats_and_retries_after_failure(root: HostRoot) -> None:
 
 def test_writer_rereads_before_writing_over_another_writer(root: HostRoot) -> None:
     be = FileBackend(root, "n1")
-    w = NodeWriter(be)
+    w = NodeWriter(be, watched=True)
     w.write({"kvcd.io/i.state": "Degraded"})
     # Someone else (another process, an admin) changes our key behind our back.
     be.update(lambda _v: {"kvcd.io/i.state": "Working"})
     w.forget()
     assert w.write({"kvcd.io/i.state": "Degraded"})
     assert be.read().annotations["kvcd.io/i.state"] == "Degraded"
+
+
+def test_writer_skips_only_what_the_node_as_seen_holds(root: HostRoot) -> None:
+    """Not what it wrote before: the node may have lost it since (registered again)."""
+    be = CountingBackend(root)
+    w = NodeWriter(be, watched=True)
+    assert w.write({"kvcd.io/i.state": "Done"})
+    be.edit(annotations=lambda v: dict.fromkeys(v.annotations))  # someone else removes it
+    w.seen(be.read())  # the watch delivers the change
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert be.updates == 2 and be.read().annotations == {"kvcd.io/i.state": "Done"}
+    w.seen(be.read())
+    assert w.write({"kvcd.io/i.state": "Done"}) and be.updates == 2
+
+
+def test_a_late_view_from_the_watch_never_makes_a_write_skip(root: HostRoot) -> None:
+    be = FileBackend(root, "n1")
+    w = NodeWriter(be, watched=True)
+    assert w.write({"kvcd.io/i.state": "Done"})
+    old = be.read()
+    assert w.write({"kvcd.io/i.state": "Working"})
+    w.seen(old)  # the watch lags: its view of the first write arrives only now
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert be.read().annotations["kvcd.io/i.state"] == "Done"
+
+
+def test_an_unwatched_writer_rereads_and_writes_only_changes(root: HostRoot) -> None:
+    be = CountingBackend(root)
+    w = NodeWriter(be)  # no watch: its last view may be old
+    assert w.write({"kvcd.io/i.state": "Done"})
+    generation = be.read().version
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert be.updates == 2 and be.read().version == generation  # read, nothing written
+    be.edit(annotations=lambda _v: {"kvcd.io/i.state": "Degraded"})
+    assert w.write({"kvcd.io/i.state": "Done"})
+    assert be.read().annotations == {"kvcd.io/i.state": "Done"}
 
 
 def test_values_are_bounded(root: HostRoot) -> None:
@@ -235,6 +271,26 @@ def test_event_reason_is_stable_vocabulary(rec: Record, reason: str) -> None:
         (["Bad_Prefix/x=1"], "must be a label key"),
         ([f"{'x' * 64}=1"], "must be a label key"),
         (["k=a\nb"], "one line"),
+        (["k=a\rb"], "one line"),  # a carriage return would rewrite the listed line
+        (["k=\x1b[31mred"], "one line"),  # an escape sequence would reach the terminal raw
+        (["k=a\tb"], "one line"),
+        (["k=a\x7fb"], "one line"),
+        (["k=ünïcode ok"], {"k": "ünïcode ok"}),
+        # KMM's ordered-upgrade label: no more than KMM itself can make (check-config's rule).
+        (
+            ["kmm.node.kubernetes.io/version-module.drivers.e2e=1.0"],
+            {"kmm.node.kubernetes.io/version-module.drivers.e2e": "1.0"},
+        ),
+        (
+            [f"kmm.node.kubernetes.io/version-module.{'a' * 25}.{'b' * 21}=1.0"],
+            "KMM allows at most 39 characters",
+        ),
+        (["kmm.node.kubernetes.io/version-module.nons=1.0"], "<namespace>.<module name>"),
+        # Removing one set before kvcd refused it stays possible.
+        (
+            ["kmm.node.kubernetes.io/version-module.nons-"],
+            {"kmm.node.kubernetes.io/version-module.nons": None},
+        ),
     ],
 )
 def test_parse_edits(edits: list[str], result: dict[str, str | None] | str) -> None:

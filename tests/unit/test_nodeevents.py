@@ -3,6 +3,8 @@ correlator keeps the stream small (spam filter, similar events, identical events
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvcd.core import nodeevents as ne
@@ -144,6 +146,36 @@ def test_a_different_reason_message_or_type_is_another_event(other: ne.NodeEvent
 def test_the_name_is_the_same_in_another_process() -> None:
     """A restarted daemon finds the Event its predecessor created (and counts on it)."""
     assert ne.Correlator("n").decide(ev(), 0.0).name == ne.Correlator("n").decide(ev(), 9.0).name
+
+
+# An Event's name is a DNS subdomain (at most 253 characters): so is a node's, so a long node name
+# leaves no room for ".kvcd-<digest>". Label-shaped 63-character parts, as a real FQDN has.
+LABEL63 = "a" * 62 + "b"
+LONGEST = ".".join([LABEL63] * 3 + ["c" * 61])  # 253: the longest valid node name
+assert len(LONGEST) == 253
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+NAMES = [
+    ("short", "worker-1"),
+    ("fits exactly", "n" * 231),
+    ("one over", "n" * 232),
+    ("the longest node name", LONGEST),
+    ("cut at a dot", "x" * 230 + ".y" + "z" * 20),
+    ("cut at a dash", "x" * 230 + "-y" + "z" * 20),
+    ("cut after dashes", "x" * 228 + "---y" + "z" * 20),
+]
+
+
+@pytest.mark.parametrize("node", [n[1] for n in NAMES], ids=[n[0] for n in NAMES])
+def test_event_names_are_dns_subdomains_for_any_node_name(node: str) -> None:
+    name = ne.event_name(node, "LoadFailed", "nic: x", True)
+    assert len(name) <= 253 and DNS_SUBDOMAIN.fullmatch(name), (len(name), name)
+    # One name per node and event, as before: unique among nodes sharing a long prefix, the same
+    # in another process, another for another event.
+    assert name == ne.event_name(node, "LoadFailed", "nic: x", True)
+    assert name != ne.event_name(node + "q", "LoadFailed", "nic: x", True)
+    assert name != ne.event_name(node, "LoadFailed", "nic: y", True)
+    if len(node) <= 231:  # names that fitted stay what they were (a restarted daemon's count)
+        assert name.startswith(f"{node}.kvcd-") and len(name) == len(node) + 22
 
 
 def test_a_flood_is_cut_by_the_token_bucket_and_refills() -> None:

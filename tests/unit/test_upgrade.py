@@ -25,7 +25,7 @@ from kvcd.daemon.service import Service
 from kvcd.daemon.upgrade import OrderedUpgrade, labelled_in_store
 from kvcd.host import modtree
 from kvcd.host.paths import HostRoot
-from kvcd.node.filebackend import FileBackend
+from kvcd.node.filebackend import FileBackend, node_file
 from tests import fakehost
 
 K = "6.1.0-56-amd64"
@@ -228,6 +228,98 @@ def test_an_unreachable_node_is_shown_in_status_until_it_is_written_again(
         assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.state"] == "Done"
     finally:
         ext.stop()
+
+
+class HeldWatch(FileBackend):
+    """The file backend with its watch in the test's hand: `deliver()` is the watch noticing a
+    change of the node file (no inotify thread: which report comes first is the test's)."""
+
+    def watch(self, on_change: Any) -> None:
+        self.on_change = on_change
+
+    def deliver(self) -> None:
+        self.on_change(self.read())
+
+
+class NoWatch(FileBackend):
+    def watch(self, on_change: Any) -> None:
+        raise OSError(28, "inotify watch limit reached")
+
+
+def recreate(root: HostRoot) -> None:
+    FileBackend(root, "n1").edit(
+        annotations=lambda v: dict.fromkeys(v.annotations),
+        labels=lambda v: dict.fromkeys(v.labels),
+    )
+
+
+# What someone else does to the node after kvcd reported: each leaves kvcd's keys wrong.
+OTHERS = [
+    ("node re-created: every annotation and label gone", recreate),
+    (
+        "kubectl annotate node n1 kvcd.io/e2e.version-",
+        lambda h: FileBackend(h, "n1").edit(annotations=lambda _v: {"kvcd.io/e2e.version": None}),
+    ),
+    (
+        "our state overwritten",
+        lambda h: FileBackend(h, "n1").edit(
+            annotations=lambda _v: {"kvcd.io/e2e.state": "Degraded"}
+        ),
+    ),
+    (
+        "the OS-update gate label removed",
+        lambda h: FileBackend(h, "n1").edit(labels=lambda _v: {"kvcd.io/upgradeable": None}),
+    ),
+    ("node.json removed", lambda h: node_file(h).unlink()),
+]
+
+
+@pytest.mark.parametrize("watch", ["watched", "no watch"])
+@pytest.mark.parametrize(("why", "other"), OTHERS, ids=[o[0] for o in OTHERS])
+def test_the_reporter_writes_its_keys_again_after_someone_else_changed_them(
+    host: HostRoot, watch: str, why: str, other: Any
+) -> None:
+    """kvcd's keys are what kvcd says, whoever changed them since: the next report writes them
+    again (the watch that sees the change asks for one at once), and a report that finds the
+    node as it should be writes nothing."""
+    made: list[FileBackend] = []
+
+    def opener(c: Context) -> FileBackend:
+        made.append((HeldWatch if watch == "watched" else NoWatch)(c.root, "n1"))
+        return made[-1]
+
+    posted: list[Event] = []
+    settings = load_settings(host)
+    ctx = Context(host, "e2e", K, settings, load_instance(host, "e2e"), posted.append)
+    rep = Reporter(NodeLink(settings, opener=opener))
+    rep.start(ctx)
+    record = Record("e2e", "Done", version="1.0", goal="loaded", kernel=K)
+
+    def node() -> tuple[dict[str, str], dict[str, str], int]:
+        view = FileBackend(host, "n1").read()
+        return dict(view.annotations), dict(view.labels), int(view.version)
+
+    try:
+        rep.after(ctx, record)
+        ann, labels, _gen = node()
+        assert {"kvcd.io/e2e.state", "kvcd.io/e2e.version", "kvcd.io/e2e.kernel"} <= set(ann)
+        assert labels == {"kvcd.io/upgradeable": "true"}
+        if watch == "watched":
+            made[0].deliver()  # the watch sees kvcd's own write: not news
+            assert posted == []
+        other(host)
+        assert node()[:2] != (ann, labels)
+        if watch == "watched":
+            made[0].deliver()
+            assert [e.source for e in posted] == [Reporter.name]  # a report now, not later
+        rep.after(ctx, record)
+        again = node()
+        assert again[:2] == (ann, labels)
+        for _ in range(3):
+            rep.after(ctx, record)
+        assert node() == again  # the node holds kvcd's values: no write at all
+    finally:
+        rep.stop()
 
 
 def node_extensions(cfg: Any, settings: Any) -> list[Any]:
