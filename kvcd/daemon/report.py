@@ -79,12 +79,14 @@ class NodeLink:
             opener = self._opener or (lambda c: open_backend(c.root, c.settings, os.environ))
             self.backend = opener(ctx)
             self.writer = NodeWriter(self.backend)
-        try:
-            self.backend.watch(self._changed)
+        try:  # the writer trusts the views it delivers while it works (NodeWriter)
+            self.backend.watch(self._changed, self._lost)
         except Exception as exc:  # a watch that cannot start: reconciles still read fresh
             log.warning("node watch did not start: %s", exc, extra=ctx.fields)
-        else:
-            self.writer.watched = True  # its views are fresh: a write they show done is skipped
+
+    def _lost(self) -> None:
+        if self.writer is not None:
+            self.writer.lost()
 
     def _changed(self, view: NodeView) -> None:
         if self.writer is not None:

@@ -68,8 +68,12 @@ class Backend(ABC):
         only kvcd's own labels, e.g. the OS-update gate) from it, write them if they change
         anything, atomically (retrying on a concurrent write); return the node as written."""
 
-    def watch(self, on_change: Callable[[NodeView], None]) -> None:  # noqa: B027
-        """Start noticing changes (labels or annotations) in a thread; call `on_change`."""
+    def watch(  # noqa: B027
+        self, on_change: Callable[[NodeView], None], on_lost: Callable[[], None] = lambda: None
+    ) -> None:
+        """Start noticing changes (labels or annotations) in a thread; call `on_change` with
+        each view, and `on_lost` each time the watch fails (no view can be trusted until the
+        next `on_change`)."""
 
     def stop(self) -> None:  # noqa: B027
         """Stop the watch."""
@@ -166,7 +170,7 @@ class NodeWriter:
     A write is skipped only when the node as last read holds its values, never because kvcd
     wrote them before: someone else may have removed or overwritten them since (a node deleted
     and registered again, `kubectl annotate … key-`). That view is trusted only while a watch
-    runs (`watched`, set by the daemon's NodeLink once its watch started), the store is
+    works (`watched`: from its first view, `seen`, to its next failure, `lost`), the store is
     reachable, and the watch has shown nothing else since: a view from the watch that differs
     from it (someone else's change, or an older view arriving late) is not trusted in turn, it
     makes the next write re-read (Backend.update, which still writes nothing when the node
@@ -194,12 +198,19 @@ class NodeWriter:
             return self._last
 
     def seen(self, view: NodeView) -> None:
-        """A view from the watch thread. It may be older than the last read (a watch lags):
-        unless it is that view again (the echo of kvcd's own write), the next write re-reads."""
+        """A view from the watch thread: the watch works. It may be older than the last read (a
+        watch lags): unless it is that view again (the echo of kvcd's own write), the next write
+        re-reads."""
         with self._lock:
+            self.watched = True
             if view != self._last:
                 self._last = view
                 self._stale = True
+
+    def lost(self) -> None:
+        """The watch failed: changes may go unseen, so every write re-reads until it works."""
+        with self._lock:
+            self.watched = False
 
     def read(self) -> NodeView | None:
         """A fresh read, or the last view when the store is unreachable (None if never read)."""

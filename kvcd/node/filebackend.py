@@ -163,7 +163,9 @@ class FileBackend(Backend):
             raise Unavailable(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     # --- watching ------------------------------------------------------------------------------
-    def watch(self, on_change: Callable[[NodeView], None]) -> None:
+    def watch(
+        self, on_change: Callable[[NodeView], None], on_lost: Callable[[], None] = lambda: None
+    ) -> None:
         """inotify (kvcd.host.fswatch) on the state directory, filtered to node.json. Each
         change is re-read whole; the caller compares what it cares about."""
         from kvcd.host.fswatch import DirWatch
@@ -177,6 +179,7 @@ class FileBackend(Backend):
                 view = self.read()
             except Unavailable as exc:
                 log.warning("node file changed but cannot be read: %s", exc)
+                on_lost()
                 return
             on_change(view)
 

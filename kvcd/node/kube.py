@@ -243,28 +243,33 @@ class KubeBackend(Backend):
         raise Unavailable(f"PATCH node {self.name}: conflicts on every attempt")
 
     # --- watch -----------------------------------------------------------------------------
-    def watch(self, on_change: Callable[[NodeView], None]) -> None:
+    def watch(
+        self, on_change: Callable[[NodeView], None], on_lost: Callable[[], None] = lambda: None
+    ) -> None:
         # No API call here: without credentials or a server yet, the loop backs off and retries.
         self._stop.clear()
         self._thread = threading.Thread(
-            target=self._watch_loop, args=(on_change,), name="kvcd-node-watch", daemon=True
+            target=self._watch_loop, args=(on_change, on_lost), name="kvcd-node-watch", daemon=True
         )
         self._thread.start()
 
-    def _watch_loop(self, on_change: Callable[[NodeView], None]) -> None:
+    def _watch_loop(
+        self, on_change: Callable[[NodeView], None], on_lost: Callable[[], None]
+    ) -> None:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
         rv: str | None = None
-        # The node read, or an event came: the watch works (said when it was said to fail).
+        # An event came, or a watch ran its time out: the watch works (said when it was said to
+        # fail). Not the (re-)list's read: a watch that fails after it would never back off.
         failing = Failing(log, "node watch", warn_after=WATCH_WARN_AFTER, then=RETRYING)
         while not self._stop.is_set():
             try:
                 if rv is None:  # (re-)list: the current state and where to watch from
                     view = self.read()
                     rv = view.version
-                    failing.worked()
                     on_change(view)
+                started, events = time.monotonic(), 0
                 self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for ev in self._watch.stream(
                     self.api().list_node,
@@ -277,6 +282,8 @@ class KubeBackend(Backend):
                     if self._stop.is_set():
                         return
                     obj = ev.get("raw_object") or {}
+                    if not isinstance(obj, dict):
+                        raise Unavailable(f"node watch: an event that is not an object: {obj!r}")
                     if ev.get("type") == "ERROR":
                         said_as = obj.get("reason") or obj.get("message")  # 410: re-list
                         raise ApiException(status=obj.get("code", 500), reason=said_as)
@@ -285,10 +292,14 @@ class KubeBackend(Backend):
                     node = self._view(obj) if ev.get("type") in ("ADDED", "MODIFIED") else None
                     rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
                     failing.worked()
+                    events += 1
                     if node is not None:
                         on_change(node)
-                failing.worked()
-                continue
+                if events or time.monotonic() - started >= 1.0:
+                    failing.worked()
+                    continue
+                # Ended at once with nothing (a proxy's empty answer): back off, not a busy loop.
+                raise Unavailable("the watch ended at once without an event")
             except ApiException as exc:
                 if exc.status == 410:
                     log.debug("node watch: 410 Gone, re-listing")
@@ -298,11 +309,14 @@ class KubeBackend(Backend):
                 # Refused credentials do not fix themselves: say so at once.
                 refused = exc.status in (401, 403)
                 failing.failed(why + refusal(exc.status, "watch", "nodes"), at_once=refused)
+                on_lost()
             except Unavailable as exc:
                 failing.failed(str(exc), at_once=isinstance(exc, Refused))
                 rv = None  # an answer that is not this Node: re-list, never resume past it
+                on_lost()
             except Exception as exc:  # dropped connections, protocol errors, bad chunks
                 failing.failed(f"{type(exc).__name__}: {exc}")
+                on_lost()
             self._stop.wait(self._delay(min(failing.failures - 1, 6)))
 
     def stop(self) -> None:

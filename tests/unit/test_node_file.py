@@ -426,3 +426,20 @@ def test_status_does_not_scan_processes_for_references_modules_explain(
     (mod / "refcnt").write_text("2\n")
     cli.main(["--root", str(root.root), "status"])
     assert scanned == ["kvcd_base"]
+
+
+def test_a_writer_trusts_its_view_only_while_the_watch_works(root: HostRoot) -> None:
+    """From the watch's first view to its next failure: a watch that started but never worked
+    (no RBAC to watch, a server that fails) shows no one else's change, so every write reads."""
+    be = CountingBackend(root)
+    w = NodeWriter(be)
+    assert w.write({"kvcd.io/i.state": "Done"})
+    be.edit(annotations=lambda v: dict.fromkeys(v.annotations))  # unseen: the watch is down
+    assert w.write({"kvcd.io/i.state": "Done"}) and be.updates == 2
+    assert be.read().annotations == {"kvcd.io/i.state": "Done"}
+    w.seen(be.read())  # the watch works
+    assert w.write({"kvcd.io/i.state": "Done"}) and be.updates == 2  # skipped
+    w.lost()  # and fails again
+    be.edit(annotations=lambda v: dict.fromkeys(v.annotations))
+    assert w.write({"kvcd.io/i.state": "Done"}) and be.updates == 3
+    assert be.read().annotations == {"kvcd.io/i.state": "Done"}

@@ -234,7 +234,7 @@ class HeldWatch(FileBackend):
     """The file backend with its watch in the test's hand: `deliver()` is the watch noticing a
     change of the node file (no inotify thread: which report comes first is the test's)."""
 
-    def watch(self, on_change: Any) -> None:
+    def watch(self, on_change: Any, on_lost: Any = None) -> None:
         self.on_change = on_change
 
     def deliver(self) -> None:
@@ -242,7 +242,7 @@ class HeldWatch(FileBackend):
 
 
 class NoWatch(FileBackend):
-    def watch(self, on_change: Any) -> None:
+    def watch(self, on_change: Any, on_lost: Any = None) -> None:
         raise OSError(28, "inotify watch limit reached")
 
 
