@@ -16,6 +16,7 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from kvcd.config import rules
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import plan as planner
 from kvcd.core import upgrade as table
@@ -59,6 +60,8 @@ def labelled_in_store(ctx: Context, label: str | None) -> bool:
     and every module the config names in its manifest. Never for a KVC hook instance, whose
     library builds and loads."""
     if not label or label == ctx.cfg.version or ctx.cfg.kvc_lib is not None:
+        return False
+    if not rules.VERSION.fullmatch(label):  # a hand-edited node.json: never a path part
         return False
     d = desired_for(replace(ctx.cfg, version=label), ctx.kernel)
     if planner.plan_build(d, observe(ctx.root, d)).actions:

@@ -51,6 +51,19 @@ def which(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return shutil.which(name, path=path)
 
 
+def _resolve(argv: Sequence[str], env: Mapping[str, str] | None) -> tuple[str, dict[str, str]]:
+    """The executable argv[0] names (looked up in env's PATH) and the full environment; the
+    guard (tests) has seen it. CommandError 127 when there is none."""
+    if not argv:
+        raise ValueError("empty argv")
+    full_env = dict(os.environ if env is None else env)
+    exe = which(argv[0], full_env) if "/" not in argv[0] else argv[0]
+    if exe is None:
+        raise CommandError(argv, 127, f"{argv[0]}: command not found")
+    guard(argv, exe)
+    return exe, full_env
+
+
 def run(
     argv: Sequence[str],
     *,
@@ -61,13 +74,7 @@ def run(
     cwd: str | None = None,
 ) -> Completed:
     """Run argv (no shell), capture its output as text, raise CommandError on failure."""
-    if not argv:
-        raise ValueError("empty argv")
-    full_env = dict(os.environ if env is None else env)
-    exe = which(argv[0], full_env) if "/" not in argv[0] else argv[0]
-    if exe is None:
-        raise CommandError(argv, 127, f"{argv[0]}: command not found")
-    guard(argv, exe)
+    exe, full_env = _resolve(argv, env)
     try:
         proc = subprocess.run(
             [exe, *argv[1:]],
@@ -103,13 +110,7 @@ def run_group(
     out), whatever is still in its group gets SIGTERM, and SIGKILL LEFTOVER_GRACE seconds later, as
     systemd's KillMode=control-group ends a unit's leftovers. A child that left the group (setsid)
     is not waited for either."""
-    if not argv:
-        raise ValueError("empty argv")
-    full_env = dict(os.environ if env is None else env)
-    exe = which(argv[0], full_env) if "/" not in argv[0] else argv[0]
-    if exe is None:
-        raise CommandError(argv, 127, f"{argv[0]}: command not found")
-    guard(argv, exe)
+    exe, full_env = _resolve(argv, env)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
             proc = subprocess.Popen(
