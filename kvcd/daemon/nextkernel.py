@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -328,6 +329,7 @@ class NextKernel(Extension):
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
         if fresh and outcome.state == READY:
             metrics.observe(NEXT_KERNEL, time.monotonic() - t0)
+        outcome = _mid_upgrade(ctx, record, outcome)
         # A ready kernel's reason may change wording on a later look; a failure's is news.
         same = previous is not None and (outcome.kernel, outcome.state) == (
             previous.kernel,
@@ -381,3 +383,24 @@ class NextKernel(Extension):
             return
         with writing(ctx.root, ctx.name) as w:
             w.update(lambda current: _set_fields(current, outcome), create=False)
+
+
+def _mid_upgrade(ctx: Context, record: Record, outcome: Outcome) -> Outcome:
+    """An ordered upgrade half-way: the node label keeps version V1 loaded while the config says
+    V2, and kvcd prepares V2 only. After a reboot into the next kernel the label would still
+    ask for V1, which is not there for that kernel, and nothing would load (kvcd.core.upgrade):
+    so that kernel is not ready, and the OS-update gate holds the reboot until the label moves."""
+    pinned = record.version
+    if not ctx.cfg.ordered_upgrade or outcome.state != READY or pinned in ("", ctx.cfg.version):
+        return outcome
+    if record.state != "Done" or record.goal != "loaded":
+        return outcome
+    return replace(
+        outcome,
+        state=FAILED,
+        reason=(
+            f"ordered upgrade under way: the node label keeps {pinned} loaded, and kvcd prepares "
+            f"only the configured {ctx.cfg.version} for {outcome.kernel}; a reboot into it now "
+            f"would load nothing until the label names {ctx.cfg.version}"
+        ),
+    )

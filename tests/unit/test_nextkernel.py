@@ -909,3 +909,35 @@ def test_prepare_command_readies_every_instance_or_says_which_is_not(
         capsys.readouterr().out
         == f"{NAME}: ready for {A}: the running kernel: its daemon loads it\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("ordered", "loaded", "state", "ready"),
+    [
+        (True, "1.0", "Done", False),  # the label keeps 1.0; only 2.0 is prepared
+        (True, "2.0", "Done", True),  # the label moved: 2.0 is what the next boot loads
+        (True, "1.0", "Degraded", True),  # nothing pinned loaded: nothing to keep after a reboot
+        (False, "1.0", "Done", True),  # no ordered upgrade: the config says what boots
+    ],
+)
+def test_a_next_kernel_is_not_ready_while_an_ordered_upgrade_keeps_the_old_version(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    ordered: bool,
+    loaded: str,
+    state: str,
+    ready: bool,
+) -> None:
+    fakehost.store_version(host, NAME, "2.0", A, ["kvcd_base", "kvcd_user"])
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(True))
+    cfg = dataclasses.replace(config(host), version="2.0", ordered_upgrade=ordered)
+    ext = NextKernel(
+        Settings(), detector=lambda r: next_boot(r, B), podman=lambda: FakePodman(host, B)
+    )
+    ctx, _posted = context(host, cfg)
+    rec = dataclasses.replace(record(host), state=state, version=loaded)
+    outcome = ext.refresh(ctx, rec)
+    assert (outcome.state == READY) is ready, outcome
+    if not ready:
+        assert outcome.state == FAILED
+        assert "the node label keeps 1.0 loaded" in outcome.reason, outcome.reason
