@@ -140,8 +140,9 @@ load_kmods() {
 # only the latter. pid files name them.
 LEFT_BEHIND = r"""
 build_kmods() {
-    setsid sleep 20 &
-    echo $! > "$PIDS/escaped"
+    # It names itself once it has left the group (before, the group's end could still take it).
+    setsid sh -c 'echo $$ > "$PIDS/e.new"; mv "$PIDS/e.new" "$PIDS/escaped"; exec sleep 20' &
+    while [ ! -e "$PIDS/escaped" ]; do sleep 0.01; done
     sleep 20 </dev/null >/dev/null 2>&1 &
     echo $! > "$PIDS/in-group"
     echo "build_kmods returned"

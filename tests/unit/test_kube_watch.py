@@ -33,7 +33,7 @@ def test_a_watch_that_keeps_failing_backs_off_and_is_said_once(
     events: list[dict[str, Any]],
 ) -> None:
     be = KubeBackend(NODE, kubeconfig=None)
-    monkeypatch.setattr(be, "api", lambda: type("Api", (), {"list_node": None})())
+    monkeypatch.setattr(be, "api", type("Api", (), {"list_node": None}))  # be.api() -> one
     reads: list[int] = []
 
     def read() -> NodeView:
