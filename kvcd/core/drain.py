@@ -222,11 +222,13 @@ def new_claim(
     return Claim(kind, boot_id, now, DRAIN_COMPLETE if left_over else "")
 
 
-def settled(claim: Claim, current: str, now: float) -> Claim:
+def settled(claim: Claim, current: str, now: float, *, moved: bool = False) -> Claim:
     """The claim as it should stand on the node (the daemon writes it back when it differs):
-    `seen` dropped once drain-current has moved from it (the next DrainComplete is the answer);
-    a time further in the future than FUTURE_SLACK restarted at now, so it still times out."""
-    seen = claim.seen if current_value(current) == claim.seen else ""
+    `seen` dropped once drain-current has moved from it (the next DrainComplete is the answer):
+    it is not that value now, or `moved`, the node watch saw it leave since the claim was made
+    (Idle, Draining and DrainComplete again can all come between two reads); a time further in
+    the future than FUTURE_SLACK restarted at now, so it still times out."""
+    seen = claim.seen if current_value(current) == claim.seen and not moved else ""
     since = now if claim.since > now + FUTURE_SLACK else claim.since
     return replace(claim, seen=seen, since=since)
 

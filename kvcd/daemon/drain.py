@@ -91,6 +91,11 @@ class Drain(Extension):
         self.sleep = sleep  # between looks at the node while a stop waits for a drain
         self._timer: threading.Timer | None = None
         self._seen: str | None = None
+        # How often the watch saw drain-current leave DrainComplete, and that count when our
+        # claim was made over a left-over DrainComplete (None: not this process's claim): more
+        # since means the answer moved, even if every read found DrainComplete (hs.settled).
+        self._left = 0
+        self._left_at_claim: int | None = None
         self._lock = threading.Lock()
         self._started = False
         self._stop_claim = False  # drain_for_stop's claim is on the node
@@ -109,6 +114,10 @@ class Drain(Extension):
             with self._lock:
                 if value == self._seen:
                     return
+                # A departure from DrainComplete (not a lagging view of what came before it).
+                was_complete = hs.current_value(self._seen) == hs.DRAIN_COMPLETE
+                if was_complete and hs.current_value(value) != hs.DRAIN_COMPLETE:
+                    self._left += 1
                 self._seen = value
             # The drain controller's answer may free the module a failed change waited for.
             ctx.post(Event(self.name, f"{current_key}={value}", kind=RETRY))
@@ -154,19 +163,21 @@ class Drain(Extension):
         if claim is None or hs.stale(claim, boot_id(ctx.root) or ""):
             return claim, current
         now = self.clock()
-        if hs.settled(claim, current, now) == claim:
+        with self._lock:
+            moved = self._left_at_claim is not None and self._left > self._left_at_claim
+        if hs.settled(claim, current, now, moved=moved) == claim:
             return claim, current
         written: list[hs.Claim | None] = []
 
         def settle(fresh: NodeView) -> hs.Claim | None:  # as it is when written
             mine = hs.Claim.decode(fresh.annotations.get(own))
             got = fresh.annotations.get(current_key, "")
-            written[:] = [hs.settled(mine, got, now) if mine is not None else None]
+            written[:] = [hs.settled(mine, got, now, moved=moved) if mine is not None else None]
             return written[0]
 
         if self._set_claim(ctx, settle) and written:
             return written[0], current
-        return hs.settled(claim, current, now), current
+        return hs.settled(claim, current, now, moved=moved), current
 
     def _request(self, ctx: Context, kind: str) -> hs.Claim | None:
         """Claim `kind` now (hs.new_claim: over the node as it is); None if unreachable."""
@@ -179,6 +190,8 @@ class Drain(Extension):
             others = {k: v for k, v in view.annotations.items() if k != own}
             current = view.annotations.get(nodekeys.drain_current_key(prefix), "")
             claim = hs.new_claim(kind, boot, self.clock(), current, others, prefix)
+            with self._lock:
+                self._left_at_claim = self._left if claim.seen else None
             made[:] = [claim]
             return claim
 

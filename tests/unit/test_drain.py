@@ -249,6 +249,12 @@ def test_settled(c: hs.Claim, current: str, now: float, settled: hs.Claim) -> No
     assert hs.settled(c, current, now) == settled
 
 
+def test_settled_drops_seen_when_the_watch_saw_the_answer_move() -> None:
+    """DrainComplete again at the read, but the watch saw it leave between: a fresh answer."""
+    assert hs.settled(leftover(), hs.DRAIN_COMPLETE, T0 + 5, moved=True) == claim()
+    assert hs.settled(claim(), hs.DRAIN_COMPLETE, T0 + 5, moved=True) == claim()
+
+
 # since, now -> seconds until the claim expires: finite, within [0, timeout]
 @pytest.mark.parametrize(
     ("since", "now", "left"),
@@ -949,3 +955,42 @@ def test_the_node_backend_opens_before_the_load_only_when_the_load_needs_it(
         assert ann(host)["kvcd.io/e2e.state"] == "Done"  # the outcome published all the same
     finally:
         svc.stop_extensions()
+
+
+class HeldWatch(FileBackend):
+    """The file backend whose watch delivers only when the test says (deliver)."""
+
+    def watch(self, on_change: Any, on_lost: Any = None) -> None:
+        self.on_change = on_change
+
+    def deliver(self) -> None:
+        self.on_change(self.read())
+
+
+def test_an_answer_that_moved_between_two_reads_is_this_claims(host: HostRoot) -> None:
+    """A claim made over a left-over DrainComplete; the controller goes Idle, Draining and
+    DrainComplete again between two of kvcd's reads (nothing to evict): the watch saw it move,
+    so this DrainComplete is the answer, not a wait until DrainTimeout."""
+    settings = load_settings(host)
+    made: list[HeldWatch] = []
+
+    def opener(c: Context) -> HeldWatch:
+        made.append(HeldWatch(c.root, "n1"))
+        return made[-1]
+
+    link = NodeLink(settings, opener=opener)
+    ctx = Context(host, "e2e", K, settings, load_instance(host, "e2e"), lambda _e: None)
+    ext = Drain(link, clock=Clock())
+    controller(host, "DrainComplete")  # left from an earlier request
+    ext.start(ctx)
+    blocked = Record("e2e", "Degraded", "ModuleInUse", "kvcd_user is held by foo (refcnt 1)")
+    try:
+        assert ext.after(ctx, blocked) is not None
+        assert ann(host)["kvcd.io/e2e.drain"].endswith(" seen=DrainComplete")
+        for answer in ("Idle", "Draining", "DrainComplete"):
+            controller(host, answer)
+            made[0].deliver()
+        assert ext.verdict(ctx, []) is None  # proceed
+        assert "seen=" not in ann(host)["kvcd.io/e2e.drain"]
+    finally:
+        ext.stop()
