@@ -93,6 +93,14 @@ def settled() -> dict[str, Any] | None:
     return st if st.get("state") == "Degraded" else None
 
 
+def _writing(tmp: Path) -> bool:
+    """A temporary file of a write under way (`.<name>.<pid>.<12 hex>.tmp`, kvcd.host.files,
+    its writer alive): the converged daemon may be reporting right now. A dead writer's is
+    what a crash left behind."""
+    parts = tmp.name.split(".")
+    return len(parts) >= 4 and parts[-3].isdigit() and Path(f"/proc/{parts[-3]}").exists()
+
+
 def problems_on_disk() -> list[str]:
     """What a crash must never leave behind, once kvcd converged."""
     out = []
@@ -103,7 +111,7 @@ def problems_on_disk() -> list[str]:
                     json.loads(path.read_text())
                 except ValueError as exc:
                     out.append(f"{path}: {exc}")
-        out += [f"stray temporary file {p}" for p in base.rglob("*.tmp")]
+        out += [f"stray temporary file {p}" for p in base.rglob("*.tmp") if not _writing(p)]
     for tree in (STATE / "store").glob("*/*/*"):
         if tree.is_dir() and not (tree / ".kvcd-manifest.json").is_file():
             out.append(f"extracted tree without a manifest: {tree}")
