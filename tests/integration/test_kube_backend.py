@@ -724,16 +724,22 @@ def ctx(tmp_path: Path, settings: Settings) -> Context:
     return Context(root, "nic", "6.1.0", settings, cfg, lambda _e: None)
 
 
-def test_reporter_publishes_and_posts_an_event_per_state_change(
-    api: FakeAPI, tmp_path: Path
-) -> None:
+def reporter(api: FakeAPI, tmp_path: Path, **backend: Any) -> tuple[Reporter, NodeLink, Any]:
+    """A Reporter on the fake API server's node, its NodeLink, and its context."""
     settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
     link = NodeLink(
         settings,
-        opener=lambda c: KubeBackend(NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None),
+        opener=lambda c: KubeBackend(
+            NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None, **backend
+        ),
     )
-    rep = Reporter(link)
-    c = ctx(tmp_path, settings)
+    return Reporter(link), link, ctx(tmp_path, settings)
+
+
+def test_reporter_publishes_and_posts_an_event_per_state_change(
+    api: FakeAPI, tmp_path: Path
+) -> None:
+    rep, _link, c = reporter(api, tmp_path)
     rep.start(c)
     try:
         rep.after(c, Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b"))
@@ -801,15 +807,7 @@ def test_a_failing_event_post_is_said_once_and_its_recovery_too(
     """A node whose RBAC lacks `create events` never gets kvcd's Events: the journal says so at
     WARNING on the first failed post (not at debug only, not on every post), and at INFO when
     a post works again."""
-    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
-    link = NodeLink(
-        settings,
-        opener=lambda c: KubeBackend(
-            NODE, kubeconfig=settings.kubeconfig, attempts=1, sleep=lambda _d: None
-        ),
-    )
-    rep = Reporter(link)
-    c = ctx(tmp_path, settings)
+    rep, _link, c = reporter(api, tmp_path, attempts=1)
     caplog.set_level(logging.DEBUG, logger="kvcd.daemon.report")
     api.faults["POST event"] = list(faults)
     rep.start(c)
@@ -839,13 +837,7 @@ def test_a_node_registered_again_gets_kvcds_keys_again(api: FakeAPI, tmp_path: P
     """The Node is deleted and registered again (every annotation and label gone): the watch
     sees it, the reporter asks for a report at once, and that report writes kvcd's keys again;
     a report that finds them in place costs no PATCH."""
-    settings = Settings(node_backend="kubernetes", kubeconfig=kubeconfig(tmp_path, api.port))  # type: ignore[attr-defined]
-    link = NodeLink(
-        settings,
-        opener=lambda c: KubeBackend(NODE, kubeconfig=settings.kubeconfig, sleep=lambda _d: None),
-    )
-    rep = Reporter(link)
-    c = ctx(tmp_path, settings)
+    rep, link, c = reporter(api, tmp_path)
     asked = threading.Event()
     c.post = lambda ev: asked.set() if ev.source == Reporter.name else None
     record = Record("nic", "Done", version="1.0", kernel="6.1.0", boot_id="b")
