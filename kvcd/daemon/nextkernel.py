@@ -28,6 +28,7 @@ from kvcd.core.actions import AcquireImage, Extract
 from kvcd.core.ahead import FAILED, NONE, PREPARING, READY, Outcome, not_held
 from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
+from kvcd.core.state import DONE
 from kvcd.daemon import imagelabels, metrics, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
@@ -393,7 +394,7 @@ def _mid_upgrade(ctx: Context, record: Record, outcome: Outcome) -> Outcome:
     pinned = record.version
     if not ctx.cfg.ordered_upgrade or outcome.state != READY or pinned in ("", ctx.cfg.version):
         return outcome
-    if record.state != "Done" or record.goal != "loaded":
+    if record.state != DONE or record.goal != "loaded":
         return outcome
     return replace(
         outcome,

@@ -221,7 +221,11 @@ class Reporter(Extension):
         view = writer.live()
         if view is not None and holds(view, *self._gate_patches(view)):
             return True
-        return writer.update(lambda v: self._gate_patches(v)[0], lambda v: self._gate_patches(v)[1])
+        prefix = self.link.prefix
+        return writer.update(
+            lambda v: upgradegate.annotation_patch(v.annotations, prefix),
+            lambda v: upgradegate.label_patch(v.annotations, prefix),
+        )
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         writer = self.link.writer
