@@ -21,6 +21,7 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,6 +281,42 @@ def test_guest_files_have_tests() -> None:
     for f in [GUEST / "guest_smoke.py", GUEST / "guest_scenarios.py", GUEST / "guest_kvc_shim.py",
               *GUEST.glob("scenarios_*.py"), *GUEST.glob("reboot_*.py")]:  # fmt: skip
         assert guest_tests(f), f
+
+
+@pytest.fixture
+def kvcdguest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The guest helpers, imported on the host, their record directories under tmp_path."""
+    monkeypatch.syspath_prepend(str(GUEST))
+    import kvcdguest as kg
+
+    monkeypatch.setattr(kg, "RECORDS", tmp_path / "instances")
+    monkeypatch.setattr(kg, "UNSAVED", tmp_path / "run")
+    kg.RECORDS.mkdir()
+    kg.UNSAVED.mkdir()
+    return kg
+
+
+def test_not_yet_reads_the_record_and_asks_kvcd_status_when_it_cannot_tell(
+    kvcdguest: Any,
+) -> None:
+    kg = kvcdguest
+    # No record anywhere: `kvcd status` says Unknown ("never started"), so not there yet...
+    assert kg.not_yet("x", state="Degraded")
+    assert kg.not_yet("x", state=("Done", "Degraded"), version="1.0")
+    # ...unless Unknown is what is waited for.
+    assert not kg.not_yet("x", state="Unknown")
+    # A record: its fields decide.
+    record = kg.RECORDS / "x.json"
+    record.write_text(json.dumps({"state": "Working", "version": "1.0"}))
+    assert kg.not_yet("x", state="Degraded")
+    assert not kg.not_yet("x", state=("Working", "Done"), version="1.0")
+    assert kg.not_yet("x", state="Working", version="2.0")
+    # It cannot tell (ask kvcd status): a record that does not parse, or one kept in /run.
+    record.write_text("{not json")
+    assert not kg.not_yet("x", state="Degraded")
+    record.unlink()
+    (kg.UNSAVED / "x.unsaved.json").write_text("{}")
+    assert not kg.not_yet("x", state="Degraded")
 
 
 def test_sharded_guests_boot_side_by_side_and_merge(

@@ -133,26 +133,47 @@ def _find_instance(doc: Any, instance: str) -> dict[str, Any] | None:
     return None
 
 
+RECORDS = Path("/var/lib/kvcd/instances")  # kvcd's state directory's records
+UNSAVED = Path("/run/kvcd")  # <instance>.unsaved.json while /var refuses writes
+
+
 def recorded(instance: str = INSTANCE) -> dict[str, Any] | None:
     """The instance's record as kvcd wrote it in its state directory: a cheap "not yet" while
     waiting (`kvcd status` costs seconds under TCG, and the poll slows what it waits for).
     None when the record cannot tell: there is none, it does not parse, or kvcd keeps the
     newer one in /run while /var refuses writes (then only `kvcd status` knows)."""
-    if Path(f"/run/kvcd/{instance}.unsaved.json").exists():
+    if (UNSAVED / f"{instance}.unsaved.json").exists():
         return None
     try:
-        data = json.loads(Path(f"/var/lib/kvcd/instances/{instance}.json").read_text())
+        data = json.loads((RECORDS / f"{instance}.json").read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
+def never_recorded(instance: str = INSTANCE) -> bool:
+    """No record at all, neither in the state directory nor kept in /run: `kvcd status` then
+    shows the instance as Unknown, "never started" (kvcd/daemon/status.py, _unknown)."""
+    return (
+        not (UNSAVED / f"{instance}.unsaved.json").exists()
+        and not (RECORDS / f"{instance}.json").exists()
+    )
+
+
+# What `kvcd status --json` says of an instance without a record (kvcd/daemon/status.py).
+NEVER_STARTED = {"state": "Unknown", "code": "", "detail": "never started"}
+
+
 def not_yet(instance: str = INSTANCE, **want: Any) -> bool:
     """The record says the instance is not there yet: some field differs from `want` (a tuple
-    means any of these values). Only then is `kvcd status` not asked."""
+    means any of these values). Only then is `kvcd status` not asked. No record yet is what
+    `kvcd status` shows as Unknown, "never started": a newly configured instance is polled
+    from its file until kvcd writes one (a pull that retries for a minute writes none)."""
     rec = recorded(instance)
     if rec is None:
-        return False
+        if not never_recorded(instance):
+            return False
+        rec = NEVER_STARTED
     for key, value in want.items():
         values = value if isinstance(value, tuple) else (value,)
         if rec.get(key) not in values:
