@@ -50,6 +50,7 @@ from kvcdguest import (
     diagnose,
     kvcd_status,
     module_version,
+    not_yet,
     proc_modules,
     record_timing,
     set_grub_default,
@@ -211,6 +212,8 @@ def test_next_kernel_preparation_killed_converges() -> None:
         converge("nextkernel", "next kernel staged", t0)
 
         def ready() -> dict[str, Any] | None:
+            if not_yet(next_kernel=KVER2, next_kernel_state=("ready", "failed")):
+                return None  # the record says not yet: no `kvcd status` (seconds of the vCPU)
             st = kvcd_status()
             ok = st and st.get("next_kernel") == KVER2
             return st if ok and st.get("next_kernel_state") in ("ready", "failed") else None
