@@ -46,6 +46,7 @@ from kvcdguest import (
     diagnose,
     kvcd_status,
     module_version,
+    not_yet,
     proc_modules,
     sh,
     state_is,
@@ -101,6 +102,8 @@ def until(pred: Any, timeout: float, what: str) -> Any:
         got = pred()
         if got:
             return got
+        if not_yet(NAME, state="Degraded"):
+            return None  # the record is not Degraded: no `kvcd status` (seconds under TCG)
         st = kvcd_status(NAME)
         if st and st.get("state") == "Degraded":
             diagnose()
