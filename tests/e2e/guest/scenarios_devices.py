@@ -33,6 +33,7 @@ from kvcdguest import (
     core_instance_aside,
     not_yet,
     proc_modules,
+    recorded,
     sh,
     wait_for,
 )
@@ -55,6 +56,11 @@ def status(instance: str) -> dict[str, Any] | None:
 def settled(instance: str, *states: str, reason_has: str = "") -> Any:
     def pred() -> dict[str, Any] | None:
         if not_yet(instance, state=states):
+            return None
+        # Working is also the state of the whole build: the record's reason line (what kvcd
+        # status shows) says when the wait for the links has begun, without a `kvcd status`.
+        rec = recorded(instance)
+        if reason_has and rec is not None and reason_has not in (rec.get("reason") or ""):
             return None
         st = status(instance)
         if st and st.get("state") in states and reason_has in (st.get("reason") or ""):
