@@ -24,6 +24,7 @@ Usage: .venv/bin/python -m benchmarks.bench_scale [--sizes 50,200,500] [--runs R
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import logging
 import os
@@ -215,12 +216,19 @@ def _no_podman() -> Any:
 
 
 def timed(fn: Callable[[], object], runs: int, setup: Callable[[], object] = lambda: None) -> float:
-    """Median wall seconds of `fn` over `runs` calls, `setup` untimed before each (one warm-up)."""
+    """Median wall seconds of `fn` over `runs` calls, `setup` untimed before each (one warm-up).
+
+    The garbage collector runs before each call, untimed: otherwise a full collection of what
+    the setup (and the steps timed before) left behind lands inside whichever call crosses
+    the threshold, and at 500 modules that pass over the scene's objects made `plan` look
+    superlinear (16-19x from 50 to 500; 3-5x with this, both on this host). The step's own
+    garbage is still collected inside its timing, as it is in the daemon."""
     setup()
     fn()
     times = []
     for _ in range(runs):
         setup()
+        gc.collect()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
