@@ -10,6 +10,11 @@ interpreter's own floor, `python3 -c pass`, how much of the daemon's RSS is file
 (shared libraries: counted in RSS, shared with every other process that maps them), and its PSS
 (what it costs the node: each shared page divided among the processes mapping it).
 
+And two peers that say what the RSS is made of: a bare interpreter that imports the modules
+the cached daemon imported (named by its own `-X importtime`) and does nothing else, and one
+that imports only the standard library's among them. The first is within a few percent of the
+daemon: its RSS is its code, not its data.
+
 Usage: .venv/bin/python -m benchmarks.bench_rss [--settle S] [--json FILE]
 About a minute on a 2-core host (set-up and the first start's build ~20 s, then 2 x S).
 """
@@ -55,11 +60,14 @@ def reading(pid: int) -> dict[str, float]:
     }
 
 
-def settled(d: Daemon, log: Path, settle: float) -> dict[str, float]:
-    """Start `kvcd run`, wait for Done and `settle` seconds more, read it, stop it."""
+def settled(
+    d: Daemon, log: Path, settle: float, env: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Start `kvcd run` (its stderr appended to `log`), wait for Done and `settle` seconds
+    more, read it, stop it."""
     with open(log, "a") as err:
         proc = subprocess.Popen(
-            [*d.cli, "run", d.name], env=d.env, stdout=subprocess.DEVNULL, stderr=err
+            [*d.cli, "run", d.name], env=env or d.env, stdout=subprocess.DEVNULL, stderr=err
         )
     try:
         d.wait(lambda s: done(s) and s.get("pid") == proc.pid, "the daemon to reach Done", 600)
@@ -72,7 +80,54 @@ def settled(d: Daemon, log: Path, settle: float) -> dict[str, float]:
         proc.wait(timeout=60)
 
 
-def figures_of(first: dict[str, float], cached: dict[str, float], floor: float) -> list[Figure]:
+def imported(log: Path) -> list[str]:
+    """The modules a process imported, in order, from its `-X importtime` lines on stderr."""
+    out = []
+    for line in log.read_text().splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "package":  # the header line
+                out.append(name)
+    return list(dict.fromkeys(out))
+
+
+# A bare interpreter importing `modules` (those this platform lacks are skipped, as the
+# daemon's own try/except imports skipped them), its C heap trimmed as the daemon's is
+# (kvcd/host/heap.py), then its RSS and anonymous part (KiB) and how many it imported.
+_IMPORT_ONLY = """
+import ctypes, gc, importlib, sys
+n = 0
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        n += 1
+    except Exception:
+        pass
+gc.collect()
+getattr(ctypes.CDLL(None), "malloc_trim", lambda _p: 0)(0)
+fields = dict(l.split()[:2] for l in open("/proc/self/smaps_rollup").read().splitlines()[1:])
+print(fields["Rss:"], fields["Anonymous:"], n)
+"""
+
+
+def imports_alone(python: str, env: dict[str, str], modules: list[str]) -> dict[str, float]:
+    """RSS of a bare interpreter that imported the daemon's modules and did nothing else: the
+    part of the daemon's RSS that is its code (the interpreter, the standard library's, the
+    libraries' and kvcd's modules), not its data."""
+    out = subprocess.run(
+        [python, "-c", _IMPORT_ONLY, *modules], env=env, capture_output=True, text=True, check=True
+    )
+    rss, anon, n = (int(x) for x in out.stdout.split())
+    return {"rss_mib": round(rss / 1024, 1), "anon_mib": round(anon / 1024, 1), "modules": n}
+
+
+def figures_of(
+    first: dict[str, float],
+    cached: dict[str, float],
+    floor: float,
+    alone: dict[str, float],
+    alone_std: dict[str, float],
+) -> list[Figure]:
     rss = cached["rss_mib"]
     return [
         Figure(
@@ -91,6 +146,26 @@ def figures_of(first: dict[str, float], cached: dict[str, float], floor: float) 
         ),
         Figure("rss: daemon RSS, settled after a first start (built)", first["rss_mib"], "MiB", ""),
         Figure("rss: python3 -c pass", round(floor, 1), "MiB", ""),
+        Figure(
+            f"rss: a bare interpreter importing the daemon's {alone['modules']:g} modules, "
+            "nothing else",
+            alone["rss_mib"],
+            "MiB",
+            "",
+            None,
+            "the daemon (cached start)",
+            round(alone["rss_mib"] / rss, 2),
+        ),
+        Figure(
+            f"rss: a bare interpreter importing only the standard library's "
+            f"{alone_std['modules']:g} of them",
+            alone_std["rss_mib"],
+            "MiB",
+            "",
+            None,
+            "the daemon (cached start)",
+            round(alone_std["rss_mib"] / rss, 2),
+        ),
     ]
 
 
@@ -107,12 +182,27 @@ def main(argv: list[str] | None = None) -> None:
             d = Daemon(root, NAME, env, python)
             log = Path(tmp) / "daemon.log"
             first = settled(d, log, args.settle)
-            cached = settled(d, log, args.settle)
+            # The cached start names what it imports (-X importtime, on its stderr): the peer
+            # below imports the same modules.
+            names = Path(tmp) / "imports.log"
+            cached = settled(d, names, args.settle, {**d.env, "PYTHONPROFILEIMPORTTIME": "1"})
         finally:
             stop()
-        floor = floor_mib(python, {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    raw = {"settle_s": args.settle, "first": first, "cached": cached, "floor_mib": round(floor, 1)}
-    report("rss", figures_of(first, cached, floor), args.json, raw)
+        bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        floor = floor_mib(python, bare)
+        modules = imported(names)
+        std = [m for m in modules if m.split(".")[0] in sys.stdlib_module_names]
+        alone = imports_alone(python, bare, modules)
+        alone_std = imports_alone(python, bare, std)
+    raw = {
+        "settle_s": args.settle,
+        "first": first,
+        "cached": cached,
+        "floor_mib": round(floor, 1),
+        "imports_alone": alone,
+        "imports_alone_stdlib": alone_std,
+    }
+    report("rss", figures_of(first, cached, floor, alone, alone_std), args.json, raw)
 
 
 if __name__ == "__main__":
