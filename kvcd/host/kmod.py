@@ -249,8 +249,9 @@ def last_line(text: str) -> str:
 def show_depends(root: HostRoot, kernel: str, name: str) -> list[str]:
     """What loading `name` would insert, in load order: module file paths, builtin names.
 
-    Dependencies come first and `name` itself last (when it is a module file). Built-in modules
-    appear as their bare name. Install commands from modprobe.d are not listed.
+    Dependencies come first, then `name` itself (when it is a module file), then what
+    modprobe.d's `softdep NAME post: …` loads after it. Built-in modules appear as their bare
+    name. Install commands from modprobe.d are not listed.
     """
     check_name("module name", name)
     try:
@@ -265,12 +266,18 @@ def show_depends(root: HostRoot, kernel: str, name: str) -> list[str]:
 
 
 def resolve(root: HostRoot, kernel: str, name: str) -> str | None:
-    """The file modprobe would insert for `name` itself (None: it is built into the kernel)."""
+    """The file modprobe would insert for `name` itself (None: it is built into the kernel).
+
+    Its own entry of the chain, not the chain's last: a `softdep NAME post: OTHER` puts OTHER
+    after it. A name that modprobe.d aliases to another module has no entry of its own: then
+    the last, that module's."""
     chain = show_depends(root, kernel, name)
-    last = chain[-1] if chain else None
-    if last is None or "/" not in last:
+    want = normalize(name)
+    own = [entry for entry in chain if _entry_name(entry) == want]
+    entry = own[-1] if own else chain[-1] if chain else None
+    if entry is None or "/" not in entry:
         return None
-    return "/" + last.lstrip("/")  # with -d / modprobe prints //lib/modules/…
+    return "/" + entry.lstrip("/")  # with -d / modprobe prints //lib/modules/…
 
 
 def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str, str | None] | None:

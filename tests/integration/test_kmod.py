@@ -7,10 +7,15 @@ Nothing here loads a module into the running kernel unless that kernel cannot lo
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -351,3 +356,65 @@ def test_a_stale_system_index_still_resolves_the_instances_own_modules(
         str(tree / "extra" / INSTANCE / "kvcd_base.ko"),
         str(tree / "extra" / INSTANCE / "kvcd_user.ko"),
     ]
+
+
+# resolve per name and resolve_many, in a mount namespace where /etc/modprobe.d holds one file:
+# modprobe reads it there (kvcd passes no -C), and the host's own modprobe.d is left alone.
+RESOLVE_IN_NS = """
+import json, sys
+from pathlib import Path
+from kvcd.host import kmod
+from kvcd.host.paths import HostRoot
+root, kernel, names = HostRoot(Path(sys.argv[1])), sys.argv[2], sys.argv[3:]
+one = {n: kmod.resolve(root, kernel, n) for n in names}
+print(json.dumps([one, kmod.resolve_many(root, kernel, names)]))
+"""
+
+
+def with_modprobe_d(tmp: Path, conf: str, kernel: str, names: list[str]) -> Any:
+    """[resolve per name, resolve_many] of `names` under HostRoot(tmp), with only `conf` in
+    /etc/modprobe.d."""
+    if os.geteuid() != 0 or not Path("/etc/modprobe.d").is_dir() or not shutil.which("unshare"):
+        pytest.skip("needs root, unshare and /etc/modprobe.d to give modprobe a modprobe.d")
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True, check=False).returncode:
+        pytest.skip("cannot make a mount namespace here")
+    conf_dir = tmp / "modprobe.d"
+    conf_dir.mkdir()
+    (conf_dir / "test.conf").write_text(conf)
+    script = tmp / "resolve.py"
+    script.write_text(RESOLVE_IN_NS)
+    argv = [sys.executable, str(script), str(tmp), kernel, *names]
+    shell = f"mount --bind {shlex.quote(str(conf_dir))} /etc/modprobe.d && exec {shlex.join(argv)}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return json.loads(run(["unshare", "-m", "sh", "-c", shell], env=env).stdout)
+
+
+@pytest.mark.parametrize(
+    ("conf", "inserted"),
+    [
+        # modprobe loads kvcd_base after it: the chain's last line is the system's kvcd_base
+        pytest.param("softdep kvcd_user post: kvcd_base\n", "own", id="post-softdep"),
+        pytest.param("softdep kvcd_user pre: kvcd_base\n", "own", id="pre-softdep"),
+        # modprobe loads kvcd_base for the name: that is the file it would insert
+        pytest.param("alias kvcd_user kvcd_base\n", "system", id="alias"),
+    ],
+)
+def test_resolve_is_the_file_modprobe_inserts_for_the_name_under_modprobe_d(
+    tmp_path: Path, kmods: BuiltKmods, conf: str, inserted: str
+) -> None:
+    """An admin's softdep on an instance's module is not another module providing its name: a
+    post softdep made resolve() take the chain's last line (the softdep's file), and the load
+    was refused as "resolves it to …/kvcd_base.ko, not to demo's own modules"."""
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k, in_tree=[kmods.base])
+    store = make_store(root, "1.0", k, [kmods.user])
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, store)
+    kmod.depmod(root, k)
+    own = str(tree / "extra" / INSTANCE / "kvcd_user.ko")
+    system = str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko")
+    one, many = with_modprobe_d(tmp_path, conf, k, ["kvcd_user"])
+    want = {"kvcd_user": own if inserted == "own" else system}
+    assert one == want
+    assert many in (want, None)  # None: the executor asks resolve() per name
