@@ -246,16 +246,21 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+# What the module tree would insert for a name, install commands aside (show_depends).
+QUERY = ("--dry-run", "--ignore-install", "--show-depends")
+
+
 def show_depends(root: HostRoot, kernel: str, name: str) -> list[str]:
     """What loading `name` would insert, in load order: module file paths, builtin names.
 
     Dependencies come first, then `name` itself (when it is a module file), then what
     modprobe.d's `softdep NAME post: …` loads after it. Built-in modules appear as their bare
-    name. Install commands from modprobe.d are not listed.
+    name. An install command in modprobe.d is not what the module tree resolves (`install NAME
+    … modprobe --ignore-install NAME …` is how admins wrap a load), so it is ignored (QUERY).
     """
     check_name("module name", name)
     try:
-        done = run([*_modprobe_base(root, kernel), "--dry-run", "--show-depends", name])
+        done = run([*_modprobe_base(root, kernel), *QUERY, name])
     except CommandError as exc:
         if "not found in directory" in exc.stderr:
             raise ModuleNotFound(name, kernel, root.kernel_dir(kernel)) from exc
@@ -291,7 +296,7 @@ def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str,
     """
     if not names or not all(is_name(name) for name in names):
         return None if names else {}
-    argv = [*_modprobe_base(root, kernel), "--dry-run", "--show-depends", "-a", *names]
+    argv = [*_modprobe_base(root, kernel), *QUERY, "-a", *names]
     try:
         done = run(argv)
     except CommandError:

@@ -395,6 +395,12 @@ def with_modprobe_d(tmp: Path, conf: str, kernel: str, names: list[str]) -> Any:
         # modprobe loads kvcd_base after it: the chain's last line is the system's kvcd_base
         pytest.param("softdep kvcd_user post: kvcd_base\n", "own", id="post-softdep"),
         pytest.param("softdep kvcd_user pre: kvcd_base\n", "own", id="pre-softdep"),
+        # how admins wrap a load: its dependency's line came last, the command's is no module
+        pytest.param(
+            "install kvcd_user /sbin/modprobe --ignore-install kvcd_user && /bin/true\n",
+            "own",
+            id="install",
+        ),
         # modprobe loads kvcd_base for the name: that is the file it would insert
         pytest.param("alias kvcd_user kvcd_base\n", "system", id="alias"),
     ],
@@ -402,9 +408,10 @@ def with_modprobe_d(tmp: Path, conf: str, kernel: str, names: list[str]) -> Any:
 def test_resolve_is_the_file_modprobe_inserts_for_the_name_under_modprobe_d(
     tmp_path: Path, kmods: BuiltKmods, conf: str, inserted: str
 ) -> None:
-    """An admin's softdep on an instance's module is not another module providing its name: a
-    post softdep made resolve() take the chain's last line (the softdep's file), and the load
-    was refused as "resolves it to …/kvcd_base.ko, not to demo's own modules"."""
+    """An admin's softdep or install command on an instance's module is not another module
+    providing its name. resolve() took the chain's last line: the post softdep's file, or
+    (the install command's line being no module) the last dependency's, and the load was
+    refused as "resolves it to …/kvcd_base.ko, not to demo's own modules"."""
     root = HostRoot(tmp_path)
     k = kmods.kernel
     make_system(root, k, in_tree=[kmods.base])

@@ -209,8 +209,7 @@ def test_show_depends_parses_modprobe(root: HostRoot, fake_commands: FakeCommand
             str(root.module_root),
             "-S",
             K,
-            "--dry-run",
-            "--show-depends",
+            *kmod.QUERY,
             "kvcd_user",
         ]
     ]
@@ -646,7 +645,7 @@ def test_resolve_many_splits_one_modprobe_answer(
         assert found is None
     else:
         assert found == {n: p.format(t=tree) if p else None for n, p in want.items()}
-    base = ["modprobe", "-d", str(root.module_root), "-S", K, "--dry-run", "--show-depends"]
+    base = ["modprobe", "-d", str(root.module_root), "-S", K, *kmod.QUERY]
     assert fake_commands.calls() == [[*base, "-a", *names]]
 
 
