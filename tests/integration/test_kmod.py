@@ -96,8 +96,9 @@ def test_show_depends_lists_base_then_user(tmp_path: Path, kmods: BuiltKmods) ->
         kmod.show_depends(root, k, "nosuch")
 
 
-def test_in_tree_dependency_resolves_through_the_mirror(tmp_path: Path, kmods: BuiltKmods) -> None:
-    """kvcd_base shipped by the "system" kernel, kvcd_user by the instance."""
+def base_in_tree_user_in_instance(tmp_path: Path, kmods: BuiltKmods) -> tuple[HostRoot, Path]:
+    """kvcd_base shipped by the "system" kernel, kvcd_user by the instance, active and indexed:
+    the root and the kernel's module tree."""
     root = HostRoot(tmp_path)
     k = kmods.kernel
     make_system(root, k, in_tree=[kmods.base])
@@ -105,6 +106,13 @@ def test_in_tree_dependency_resolves_through_the_mirror(tmp_path: Path, kmods: B
     tree = modtree.prepare_kernel_tree(root, k)
     modtree.activate(root, k, INSTANCE, store)
     kmod.depmod(root, k)
+    return root, tree
+
+
+def test_in_tree_dependency_resolves_through_the_mirror(tmp_path: Path, kmods: BuiltKmods) -> None:
+    """kvcd_base shipped by the "system" kernel, kvcd_user by the instance."""
+    root, tree = base_in_tree_user_in_instance(tmp_path, kmods)
+    k = kmods.kernel
     assert kmod.show_depends(root, k, "kvcd_user") == [
         str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko"),
         str(tree / "extra" / INSTANCE / "kvcd_user.ko"),
@@ -412,13 +420,8 @@ def test_resolve_is_the_file_modprobe_inserts_for_the_name_under_modprobe_d(
     providing its name. resolve() took the chain's last line: the post softdep's file, or
     (the install command's line being no module) the last dependency's, and the load was
     refused as "resolves it to …/kvcd_base.ko, not to demo's own modules"."""
-    root = HostRoot(tmp_path)
+    _, tree = base_in_tree_user_in_instance(tmp_path, kmods)
     k = kmods.kernel
-    make_system(root, k, in_tree=[kmods.base])
-    store = make_store(root, "1.0", k, [kmods.user])
-    tree = modtree.prepare_kernel_tree(root, k)
-    modtree.activate(root, k, INSTANCE, store)
-    kmod.depmod(root, k)
     own = str(tree / "extra" / INSTANCE / "kvcd_user.ko")
     system = str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko")
     one, many = with_modprobe_d(tmp_path, conf, k, ["kvcd_user"])
