@@ -288,11 +288,11 @@ def resolve(root: HostRoot, kernel: str, name: str) -> str | None:
 def resolve_many(root: HostRoot, kernel: str, names: Sequence[str]) -> dict[str, str | None] | None:
     """:func:`resolve` for each of `names` with one process (``modprobe -a --show-depends``),
     not one per module; None when that answer cannot be told apart per name (a name not found,
-    an install command, a line that is no module of the name's chain): ask :func:`resolve`
-    per name then, for its own error.
+    a post softdep's lines after the last name's, a line that is no module of the name's
+    chain): ask :func:`resolve` per name then, for its own error.
 
-    modprobe prints each name's chain in turn, dependencies first and the name itself last, so
-    the output splits at the first entry of each name in order.
+    modprobe prints each name's chain in turn, dependencies first, then the name itself (then
+    its post softdeps), so the output splits at the first entry of each name in order.
     """
     if not names or not all(is_name(name) for name in names):
         return None if names else {}
