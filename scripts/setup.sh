@@ -72,21 +72,9 @@ if [ ! -e "$stamp" ] || [ ! -x .venv/bin/kvcd ]; then
   touch "$stamp"
 fi
 
-# The oldest Python kvcd supports (requires-python; RHEL 9's python3 is 3.9): its own venv, the
-# runtime dependencies and what the unit and docs tests need, so `make test-oldest` runs them on
-# it. No such interpreter is an error, not a skipped check.
-OLDEST=3.9
-py_oldest=${KVCD_OLDEST_PYTHON:-}
-if [ -z "$py_oldest" ]; then
-  # (pyenv's shim for python3.9 is on PATH even where it refuses to run: each is tried.)
-  for c in "$(command -v python$OLDEST || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/$OLDEST.*/bin/python$OLDEST; do
-    [ -x "$c" ] && "$c" -c 'import sys, venv' 2>/dev/null && { py_oldest=$c; break; }
-  done
-fi
-if [ -z "$py_oldest" ]; then
-  echo "setup: no Python $OLDEST (the oldest kvcd supports) found: install python$OLDEST or set KVCD_OLDEST_PYTHON" >&2
-  exit 1
-fi
+# The oldest Python kvcd supports: its own venv, the runtime dependencies and what the unit and
+# docs tests need, so `make test-oldest` runs them on it (scripts/oldest-python.sh picks it).
+py_oldest=$(scripts/oldest-python.sh)
 if [ ! -x .venv-oldest/bin/python ]; then
   "$py_oldest" -m venv .venv-oldest
 fi
