@@ -221,7 +221,7 @@ def timed(fn: Callable[[], object], runs: int, setup: Callable[[], object] = lam
     The garbage collector runs before each call, untimed: otherwise a full collection of what
     the setup (and the steps timed before) left behind lands inside whichever call crosses
     the threshold, and at 500 modules that pass over the scene's objects made `plan` look
-    superlinear (16-19x from 50 to 500; 3-5x with this, both on this host). The step's own
+    superlinear (16-19x from 50 to 500; 3-11x with this, both on this host). The step's own
     garbage is still collected inside its timing, as it is in the daemon."""
     setup()
     fn()

@@ -206,12 +206,14 @@ class Reporter(Extension):
         self._timer.daemon = True
         self._timer.start()
 
+    def _gate_annotations(self, view: NodeView) -> dict[str, str | None]:
+        return upgradegate.annotation_patch(view.annotations, self.link.prefix)
+
+    def _gate_labels(self, view: NodeView) -> dict[str, str | None]:
+        return upgradegate.label_patch(view.annotations, self.link.prefix)
+
     def _gate_patches(self, view: NodeView) -> tuple[dict[str, str | None], dict[str, str | None]]:
-        prefix = self.link.prefix
-        return (
-            upgradegate.annotation_patch(view.annotations, prefix),
-            upgradegate.label_patch(view.annotations, prefix),
-        )
+        return self._gate_annotations(view), self._gate_labels(view)
 
     def _gate(self) -> bool:
         """The node-wide OS-update gate (kvcd/core/upgradegate.py), computed from the node's
@@ -221,11 +223,7 @@ class Reporter(Extension):
         view = writer.live()
         if view is not None and holds(view, *self._gate_patches(view)):
             return True
-        prefix = self.link.prefix
-        return writer.update(
-            lambda v: upgradegate.annotation_patch(v.annotations, prefix),
-            lambda v: upgradegate.label_patch(v.annotations, prefix),
-        )
+        return writer.update(self._gate_annotations, self._gate_labels)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         writer = self.link.writer
