@@ -428,3 +428,17 @@ def test_resolve_is_the_file_modprobe_inserts_for_the_name_under_modprobe_d(
     want = {"kvcd_user": own if inserted == "own" else system}
     assert one == want
     assert many in (want, None)  # None: the executor asks resolve() per name
+
+
+def test_resolve_of_an_alias_is_its_modules_entry_not_that_modules_post_softdep(
+    tmp_path: Path, kmods: BuiltKmods
+) -> None:
+    """An alias has no entry of its own in the chain, so resolve() takes the chain's last line.
+    Were the aliased module's post softdep printed after it, that line would be the softdep's
+    file; modprobe does not apply it through an alias, so the last line is the module's."""
+    _, tree = base_in_tree_user_in_instance(tmp_path, kmods)
+    conf = "alias kvcd_alias kvcd_base\nsoftdep kvcd_base post: kvcd_user\n"
+    one, many = with_modprobe_d(tmp_path, conf, kmods.kernel, ["kvcd_alias"])
+    want = {"kvcd_alias": str(tree / "kernel" / "drivers" / "kvcd" / "kvcd_base.ko")}
+    assert one == want
+    assert many in (want, None)
