@@ -227,6 +227,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "sign_hash": lambda v, k: rules.valid_choice(v, k, rules.SIGN_HASHES),
         "inhibit_reboot": rules.valid_bool,
         "pull_secret": rules.valid_abs_path,
+        "hook_timeout": rules.valid_seconds,
     }
     for key, rule in table.items():
         if key in data:

@@ -201,6 +201,10 @@ class Settings:
     # OS-update gate (issue #18): hold a systemd shutdown inhibitor (block) while an instance
     # failed to prepare for the kernel the node boots next (kvcd/host/inhibit.py).
     inhibit_reboot: bool = False
+    # Seconds a KVC library function (build_kmods, load_kmods, unload_kmods) may run before it
+    # is stopped and its instance goes Degraded (HookFailed): below the unit's
+    # TimeoutStartSec=30min, so a hung first start ends with its reason written down.
+    hook_timeout: float = 1200.0
 
 
 def is_kvcd_tag(ref: str) -> bool:

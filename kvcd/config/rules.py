@@ -93,6 +93,7 @@ SETTINGS_KEYS = (
     "sign_hash",
     "inhibit_reboot",
     "pull_secret",
+    "hook_timeout",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")

@@ -366,8 +366,15 @@ class Executor:
         unit = None
         if procs.own_unit() == f"kvcd@{self.cfg.name}.service":
             unit = f"kvcd-hook-{self.cfg.name}-{function}-{os.getpid()}.service"
+        limit = (self.settings or Settings()).hook_timeout
         try:
-            done = hooks.call(self.cfg.kvc_lib, function, variables, unit=unit)
+            done = hooks.call(self.cfg.kvc_lib, function, variables, timeout=limit, unit=unit)
+        except hooks.TimedOut as exc:
+            raise StepFailed(
+                state.HOOK_FAILED,
+                f"{function} in {self.cfg.kvc_lib} did not finish within hook_timeout = "
+                f"{limit:g} s (kvcd.toml): stopped",
+            ) from exc
         except CommandError as exc:
             raise StepFailed(state.HOOK_FAILED, f"{function} in {self.cfg.kvc_lib}: {exc}") from exc
         for line in (done.stdout + done.stderr).splitlines():

@@ -9,12 +9,14 @@ library runs do not see it (KVCD_UNEXPORT names them).
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
-from kvcd.host.run import Completed, run, run_group, run_inherit
+from kvcd.host.run import LEFTOVER_GRACE, CommandError, Completed, run, run_group, run_inherit
 
 FUNCTIONS = ("build_kmods", "load_kmods", "unload_kmods", "wrapper")
 
@@ -69,13 +71,42 @@ def call(
     function's output comes back on kvcd's pipes; its exit status is the unit's.
 
     Without `unit` (the one-shot verbs), the call ends when bash does, and what the function left
-    running in its process group is stopped (run_group), as systemd stops a unit's leftovers."""
+    running in its process group is stopped (run_group), as systemd stops a unit's leftovers.
+
+    After `timeout` seconds the function is stopped either way (SIGTERM, SIGKILL
+    LEFTOVER_GRACE seconds later): TimedOut."""
     if function not in FUNCTIONS[:3]:
         raise ValueError(f"not a KVC library function: {function}")
     argv = ["bash", _runner(), str(library), function]
-    if unit is None:
-        return run_group(argv, env={**os.environ, **variables}, timeout=timeout)
-    return run(transient(unit, argv, variables, timeout), timeout=timeout)
+    started = time.monotonic()
+    try:
+        if unit is None:
+            return run_group(argv, env={**os.environ, **variables}, timeout=timeout)
+        # systemd stops the unit at RuntimeMaxSec=, and systemd-run returns once it is gone.
+        # Only if it does not (a wedged manager) does kvcd give up waiting, and stop the unit.
+        backstop = None if timeout is None else timeout + LEFTOVER_GRACE + _BACKSTOP
+        try:
+            return run(transient(unit, argv, variables, timeout), timeout=backstop)
+        except CommandError:
+            if backstop is not None and time.monotonic() - started >= backstop:
+                run(["systemctl", "stop", "--no-block", unit], check=False)
+            raise
+    except CommandError as exc:
+        if timeout is not None and time.monotonic() - started >= timeout:
+            raise TimedOut(exc.argv, timeout) from exc
+        raise
+
+
+class TimedOut(CommandError):
+    """A library function ran past its timeout and was stopped."""
+
+    def __init__(self, argv: Sequence[str], timeout: float) -> None:
+        super().__init__(argv, 124, f"timed out after {timeout:g}s")
+        self.timeout = timeout
+
+
+# Seconds systemd-run may take, beyond the unit's RuntimeMaxSec= and its stop, to come back.
+_BACKSTOP = 30.0
 
 
 def transient(
@@ -92,11 +123,13 @@ def transient(
         "--service-type=exec",
         f"--unit={unit}",
         f"--description=kvcd hook {argv[-1]} of {variables.get('KVC_SOFTWARE_NAME', '?')}",
-        # Stopped with what it started (the container of a `podman run` included).
+        # Stopped with what it started (the container of a `podman run` included), and what
+        # ignores SIGTERM is killed as a one-shot verb's leftovers are (run_group).
         "--property=KillMode=control-group",
+        f"--property=TimeoutStopSec={LEFTOVER_GRACE:g}",
     ]
     if timeout is not None:
-        out.append(f"--property=RuntimeMaxSec={max(1, int(timeout))}")
+        out.append(f"--property=RuntimeMaxSec={max(1, math.ceil(timeout))}")
     out += [f"--setenv={k}={v}" for k, v in sorted(variables.items())]
     return [*out, *argv]
 

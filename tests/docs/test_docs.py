@@ -537,6 +537,25 @@ def test_every_key_kvcd_accepts_is_in_the_shipped_examples() -> None:
     assert missing(REPO / "config/kvcd.toml", rules.SETTINGS_KEYS) == []
 
 
+def test_the_shipped_kvcd_toml_sets_each_setting_to_its_default() -> None:
+    """config/kvcd.toml is installed as the node's file and read as its documentation: each
+    value it sets is kvcd's default (the README quotes them, e.g. hook_timeout's 1200)."""
+    import dataclasses
+
+    path = REPO / "config/kvcd.toml"
+    shipped, default = parse_settings_toml(str(path), path.read_text()), Settings()
+    differ = [
+        f.name
+        for f in dataclasses.fields(Settings)
+        if getattr(shipped, f.name) != getattr(default, f.name)
+    ]
+    assert differ == []
+    readme = (REPO / "README.md").read_text()
+    assert f"`hook_timeout` seconds (`/etc/kvcd/kvcd.toml`, default {default.hook_timeout:g})" in (
+        " ".join(readme.split())
+    )
+
+
 def test_every_documented_instance_name_rule_is_the_code_s() -> None:
     """The instance-name grammar, wherever a doc or shipped config spells it out, is
     kvcd.core.names.INSTANCE_RULE (and INSTANCE_NAME checks exactly that)."""

@@ -5,6 +5,7 @@ here that does what the real one does with these options (the guest runs the rea
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -23,20 +24,31 @@ unload_kmods() { echo "cannot unload" >&2; return 3; }
 """
 
 # systemd-run --wait --pipe: the command runs with systemd's environment plus --setenv, its
-# output on our pipes, systemd-run's exit status its own. Options are logged for the test.
+# output on our pipes, systemd-run's exit status its own; at RuntimeMaxSec= the unit is stopped
+# (SIGTERM, SIGKILL TimeoutStopSec= later). Options are logged for the test. With FAKE_WEDGED
+# set it never comes back (a manager that does not answer); systemctl logs what it is asked.
 FAKE_SYSTEMD_RUN = r"""#!/bin/bash
 set -eu
 vars=()
+limit=()
+stop=90
 while [ $# -gt 0 ]; do
     case "$1" in
         --setenv=*) vars+=("${1#--setenv=}") ;;
+        --property=TimeoutStopSec=*) stop="${1#--property=TimeoutStopSec=}" ;;
+        --property=RuntimeMaxSec=*) max="${1#--property=RuntimeMaxSec=}"
+                                    limit=(timeout --kill-after="$stop" "$max") ;;
         --*) ;;
         *) break ;;
     esac
     echo "$1" >> "$RUN_LOG"
     shift
 done
-exec env -i PATH="$PATH" "${vars[@]}" "$@"
+if [ -n "${FAKE_WEDGED:-}" ]; then exec sleep 60; fi
+exec "${limit[@]}" env -i PATH="$PATH" "${vars[@]}" "$@"
+"""
+FAKE_SYSTEMCTL = r"""#!/bin/bash
+echo "systemctl $*" >> "$RUN_LOG"
 """
 
 
@@ -44,9 +56,10 @@ exec env -i PATH="$PATH" "${vars[@]}" "$@"
 def lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    fake = bindir / "systemd-run"
-    fake.write_text(FAKE_SYSTEMD_RUN)
-    fake.chmod(0o755)
+    for name, body in (("systemd-run", FAKE_SYSTEMD_RUN), ("systemctl", FAKE_SYSTEMCTL)):
+        fake = bindir / name
+        fake.write_text(body)
+        fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     monkeypatch.setenv("RUN_LOG", str(tmp_path / "run.log"))
     monkeypatch.setenv("KVCD_DAEMON_ONLY", "secret")
@@ -91,6 +104,39 @@ def test_a_failing_function_in_a_unit_is_a_command_error_with_its_output(lib: Pa
     with pytest.raises(CommandError) as err:
         hooks.call(lib, "unload_kmods", variables(), unit="kvcd-hook-drv-2.service")
     assert err.value.rc == 3 and "cannot unload" in str(err.value)
+
+
+HUNG = "load_kmods() { echo started; sleep 60; }\n"
+
+
+@pytest.mark.parametrize("unit", [None, "kvcd-hook-drv-3.service"], ids=["inline", "unit"])
+def test_a_function_past_its_timeout_is_stopped(
+    lib: Path, tmp_path: Path, unit: str | None
+) -> None:
+    lib.write_text(HUNG)
+    t0 = time.monotonic()
+    with pytest.raises(hooks.TimedOut) as err:
+        hooks.call(lib, "load_kmods", variables(), timeout=1, unit=unit)
+    assert time.monotonic() - t0 < 30  # not the 60 s of the sleep
+    assert err.value.rc == 124 and "timed out after 1s" in str(err.value)
+    if unit is not None:
+        opts = (tmp_path / "run.log").read_text().splitlines()
+        assert {"--property=RuntimeMaxSec=1", "--property=TimeoutStopSec=10"} <= set(opts)
+
+
+def test_a_manager_that_does_not_stop_the_unit_in_time_has_kvcd_stop_it(
+    lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd-run waits for the unit; if it is still waiting well past RuntimeMaxSec= and the
+    unit's stop, kvcd stops waiting and asks systemd to stop the unit (no hook left behind)."""
+    lib.write_text(HUNG)
+    monkeypatch.setenv("FAKE_WEDGED", "1")
+    monkeypatch.setattr(hooks, "_BACKSTOP", 0.5)
+    monkeypatch.setattr(hooks, "LEFTOVER_GRACE", 0.5)
+    with pytest.raises(hooks.TimedOut):
+        hooks.call(lib, "load_kmods", variables(), timeout=1, unit="kvcd-hook-drv-4.service")
+    log = (tmp_path / "run.log").read_text().splitlines()
+    assert log[-1] == "systemctl stop --no-block kvcd-hook-drv-4.service"
 
 
 @pytest.mark.parametrize(

@@ -165,3 +165,24 @@ def test_a_conf_changed_after_kvcd_read_it_is_refused_before_a_library_sources_i
     assert out.returncode == 1, out.stderr
     assert f"ConfigInvalid: {conf}:7: command substitution" in out.stderr, out.stderr
     assert not marker.exists()
+
+
+def test_a_library_function_that_hangs_is_stopped_at_hook_timeout(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
+    """A hung load_kmods held its instance (and, after READY, the daemon's loop) for good."""
+    root, env = host
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(LIB.replace('for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done', "sleep 60"))
+    settings = root("/etc/kvcd/kvcd.toml")
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text("hook_timeout = 1.5\n")
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 1, out.stderr
+    assert (
+        f"HookFailed: load_kmods in {lib} did not finish within hook_timeout = 1.5 s" in out.stderr
+    )
+    status = kvcd(env, "status", "simple-kmod").stdout
+    assert status.startswith("simple-kmod: Degraded"), status
+    sleeping = subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True, check=False)
+    assert sleeping.returncode == 1, f"the hook's sleep is still running: {sleeping.stdout!r}"

@@ -1,4 +1,4 @@
-"""Guest-side kvcd scenarios (a)-(f), run in order by pytest inside the VM guest.
+"""Guest-side kvcd scenarios (a)-(g), run in order by pytest inside the VM guest.
 
 Each test leaves the instance in the state the next one starts from; the host-side tests in
 tests/e2e/test_vm.py report one result per scenario. Contracts used: kvcd@.service (Type=notify,
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -300,3 +301,39 @@ def test_f_kvc_format_instance(kvc_files: None) -> None:
     assert module_version("kvcd_user") == "1.0"
     assert "kvcd_user" in proc_modules()["kvcd_base"]
     stop_and_wait_unloaded(unit)
+
+
+def test_g_a_hung_library_function_is_stopped_at_hook_timeout(kvc_files: None) -> None:
+    """With the real systemd-run: a load_kmods that never returns is stopped at hook_timeout
+    (RuntimeMaxSec= of its transient unit), and the instance is Degraded with that reason; no
+    hook unit or process is left."""
+    lib = Path(f"/usr/lib/kvc/{KVC_NAME}-lib.sh")
+    text = lib.read_text()
+    hung = text.replace('echo "Loading kernel modules using', "sleep 600 #")
+    assert hung != text
+    lib.write_text(hung)
+    settings = Path("/etc/kvcd/kvcd.toml")
+    saved = settings.read_text()
+    new, n = re.subn(r"(?m)^hook_timeout\s*=.*$", "hook_timeout = 5", saved)
+    settings.write_text(new if n else "hook_timeout = 5\n" + saved)
+    unit = f"kvcd@{KVC_NAME}.service"
+    try:
+        t0 = time.monotonic()
+        sh(["systemctl", "start", unit], check=False, timeout=BUILD_TIMEOUT)
+        st = wait_for(
+            state_is("Degraded", instance=KVC_NAME), BUILD_TIMEOUT, f"{KVC_NAME} Degraded"
+        )
+        record_timing("scenario_g_hook_timeout", time.monotonic() - t0)
+        assert "did not finish within hook_timeout = 5 s" in str(st.get("reason")), st
+        assert st.get("code") == "HookFailed", st
+        # Stopped first: the unit is restarted after a failed start (Restart=on-failure), and a
+        # restart would hang in a new sleep. Stopping kvcd@ does not stop a leaked hook unit.
+        sh(["systemctl", "stop", unit], check=False, timeout=600)
+        hooks = sh(
+            ["systemctl", "list-units", "--plain", "--no-legend", f"kvcd-hook-{KVC_NAME}-*"]
+        ).stdout
+        assert "load_kmods" not in hooks, hooks
+        assert sh(["pgrep", "-fx", "sleep 600"], check=False).returncode == 1
+    finally:
+        settings.write_text(saved)
+        sh(["systemctl", "stop", unit], check=False, timeout=600)
