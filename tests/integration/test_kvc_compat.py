@@ -112,25 +112,34 @@ def test_kvc_instance_loads_unloads_and_wraps_through_its_library(
     assert (out.returncode, out.stdout) == (0, "wrapper spkut 44\n")
 
 
+LOAD_MODULES = 'for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done'
+
+
+def load_with_library(
+    host: tuple[HostRoot, dict[str, str]], old: str, new: str
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`kvcd load` of the instance whose library has `old` replaced by `new`: it must fail."""
+    root, env = host
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(LIB.replace(old, new))
+    out = kvcd(env, "load", "simple-kmod")
+    assert out.returncode == 1, out.stderr
+    return lib, out
+
+
 def test_a_library_that_does_not_load_is_caught_by_verification(
     host: tuple[HostRoot, dict[str, str]],
 ) -> None:
-    root, env = host
-    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
-    lib.write_text(LIB.replace('for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done', "true"))
-    out = kvcd(env, "load", "simple-kmod")
-    assert out.returncode == 1
+    _, out = load_with_library(host, LOAD_MODULES, "true")
     assert "VerifyFailed: simple_kmod is not in /sys/module after loading" in out.stderr
 
 
 def test_a_failing_library_function_is_reported_with_its_output(
     host: tuple[HostRoot, dict[str, str]],
 ) -> None:
-    root, env = host
-    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
-    lib.write_text(LIB.replace("type kvc_c_build >/dev/null", "echo 'no such image' >&2; return 3"))
-    out = kvcd(env, "load", "simple-kmod")
-    assert out.returncode == 1
+    _, out = load_with_library(
+        host, "type kvc_c_build >/dev/null", "echo 'no such image' >&2; return 3"
+    )
     assert "HookFailed: build_kmods in" in out.stderr and "no such image" in out.stderr
 
 
@@ -172,13 +181,10 @@ def test_a_library_function_that_hangs_is_stopped_at_hook_timeout(
 ) -> None:
     """A hung load_kmods held its instance (and, after READY, the daemon's loop) for good."""
     root, env = host
-    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
-    lib.write_text(LIB.replace('for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done', "sleep 60"))
     settings = root("/etc/kvcd/kvcd.toml")
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text("hook_timeout = 1.5\n")
-    out = kvcd(env, "load", "simple-kmod")
-    assert out.returncode == 1, out.stderr
+    lib, out = load_with_library(host, LOAD_MODULES, "sleep 60")
     assert (
         f"HookFailed: load_kmods in {lib} did not finish within hook_timeout = 1.5 s" in out.stderr
     )
