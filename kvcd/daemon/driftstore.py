@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcd.core import drift as core
 from kvcd.host import files, modtree
@@ -85,7 +86,9 @@ def fact(path: Path) -> core.Fact:
 RACY_NS = 2_000_000_000
 # Misses worth hashing on more than one core (hashlib and read(2) release the GIL).
 _POOL_BYTES = 4 << 20
-_POOL_THREADS = 4
+# Threads that hash beside the checking thread: kept once started (blocked on their queue,
+# no CPU while idle), never more than this many in the process (the daemon's thread budget).
+_HELPERS = 2
 
 StatKey = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
@@ -130,39 +133,34 @@ class Hashes:
         out: dict[str, core.Fact] = {}
         misses: list[str] = []
         size = 0
+        known = self._known if trust else {}
         for path in paths:
             try:
                 st = os.lstat(path)
             except (FileNotFoundError, NotADirectoryError):
                 out[path] = core.Fact(core.ABSENT)
                 continue
-            mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISLNK(st.st_mode):
-                try:
-                    out[path] = core.Fact(core.SYMLINK, mode, st.st_size, target=os.readlink(path))
-                except (FileNotFoundError, NotADirectoryError):
-                    out[path] = core.Fact(core.ABSENT)
-            elif stat.S_ISDIR(st.st_mode):
-                out[path] = core.Fact(core.DIR, mode)
-            elif not stat.S_ISREG(st.st_mode):
-                out[path] = core.Fact(core.OTHER, mode)
-            else:
-                known = self._known.get(path) if trust else None
-                if known is not None and known[0] == _key(st):
-                    out[path] = core.Fact(core.FILE, mode, st.st_size, known[1])
+            mode = st.st_mode
+            if stat.S_ISREG(mode):
+                hit = known.get(path)
+                if hit is not None and hit[0] == _key(st):
+                    out[path] = core.Fact(core.FILE, stat.S_IMODE(mode), st.st_size, hit[1])
                 else:
                     misses.append(path)
                     size += st.st_size
-        if len(misses) > 1 and size >= _POOL_BYTES:
-            # One share per thread, not one task per file: a task per small file costs more in
-            # hand-offs than the hashing it spreads.
-            threads = min(len(misses), _POOL_THREADS, os.cpu_count() or 1)
-            shares = [misses[i::threads] for i in range(threads)]
-            with ThreadPoolExecutor(threads, thread_name_prefix="kvcd-hash") as pool:
-                done = dict(zip(misses[:threads], pool.map(self._hash_all, shares)))
-            hashed = [done[misses[i % threads]][i // threads] for i in range(len(misses))]
-        else:
-            hashed = self._hash_all(misses)
+            elif stat.S_ISLNK(mode):
+                try:
+                    target = os.readlink(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    out[path] = core.Fact(core.ABSENT)
+                    continue
+                out[path] = core.Fact(core.SYMLINK, stat.S_IMODE(mode), st.st_size, target=target)
+            elif stat.S_ISDIR(mode):
+                out[path] = core.Fact(core.DIR, stat.S_IMODE(mode))
+            else:
+                out[path] = core.Fact(core.OTHER, stat.S_IMODE(mode))
+        helpers = _helpers_for(len(misses), size)
+        hashed = _HELPERS_POOL.map(self._hash, misses, helpers)
         for path, (f, key) in zip(misses, hashed):
             out[path] = f
             if key is not None:
@@ -171,10 +169,6 @@ class Hashes:
                 self._known.pop(path, None)
         self.hashed += len(misses)
         return out
-
-    def _hash_all(self, paths: list[str]) -> list[tuple[core.Fact, StatKey | None]]:
-        buffer = bytearray(_CHUNK)
-        return [self._hash(p, buffer) for p in paths]
 
     def _hash(self, path: str, buffer: bytearray) -> tuple[core.Fact, StatKey | None]:
         """The file's fact, read now, and the stat to remember its hash under (None: do not
@@ -186,6 +180,93 @@ class Hashes:
         f = core.Fact(core.FILE, stat.S_IMODE(after.st_mode), after.st_size, digest)
         settled = self._clock() - max(after.st_mtime_ns, after.st_ctime_ns) > RACY_NS
         return f, _key(after) if settled and _key(before) == _key(after) else None
+
+
+def _helpers_for(misses: int, size: int) -> int:
+    """How many helper threads hash beside the caller: none for little to read."""
+    if misses < 2 or size < _POOL_BYTES:
+        return 0
+    return max(0, min(_HELPERS, misses - 1, len(os.sched_getaffinity(0)) - 1))
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+class _Share:
+    """One helper's part in a `map`: taken by a helper, or by the caller if none got to it."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self.work = work
+        self.taken = threading.Lock()
+        self.done = threading.Event()
+
+    def run(self) -> None:  # on a helper
+        if self.taken.acquire(blocking=False):
+            try:
+                self.work()
+            finally:
+                self.done.set()
+
+    def join(self) -> None:  # on the caller: returns once the helper, if it started, is done
+        if not self.taken.acquire(blocking=False):
+            self.done.wait()
+
+
+class _Pool:
+    """Helper threads for hashing, started on first use and kept: a thread per check cost more
+    than a tenth of a check of 1,000 files. Idle ones block on their queue (no polling). The
+    caller works too, and every thread takes the next item when done with one (a slow file or
+    a busy core does not hold the others back)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Share] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _helper(self) -> None:
+        while True:
+            self._jobs.get().run()
+
+    def map(self, fn: Callable[[_T, bytearray], _R], items: list[_T], helpers: int) -> list[_R]:
+        """[fn(item, buffer) for item in items], on the calling thread and up to `helpers`
+        helper threads (each with a buffer of its own); the first exception is raised."""
+        out: list[Any] = [None] * len(items)
+        errors: list[BaseException] = []
+        # next() of a built-in iterator holds the GIL: no item is taken twice.
+        todo = iter(range(len(items)))
+
+        def work() -> None:
+            buffer = bytearray(_CHUNK)
+            try:
+                for i in todo:
+                    if errors:
+                        return
+                    out[i] = fn(items[i], buffer)
+            except BaseException as exc:  # raised on the caller
+                errors.append(exc)
+
+        shares = [_Share(work) for _ in range(helpers)]
+        if shares:
+            self._start(helpers)
+            for share in shares:
+                self._jobs.put(share)
+        work()
+        for share in shares:
+            share.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    def _start(self, helpers: int) -> None:
+        with self._lock:
+            while len(self._threads) < helpers:
+                t = threading.Thread(target=self._helper, name="kvcd-hash", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+
+_HELPERS_POOL = _Pool()
 
 
 def fact_json(f: core.Fact) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -655,6 +656,55 @@ def test_many_files_are_hashed_on_several_threads_alike(tmp_path: Path) -> None:
         paths.append(str(p))
     pooled = driftstore.Hashes().facts(paths)
     assert pooled == {p: driftstore.Hashes().facts([p])[p] for p in paths}
+
+
+def _many(tmp_path: Path, n: int = 6) -> list[str]:
+    paths = []
+    for i in range(n):
+        p = tmp_path / f"m{i}.ko"
+        p.write_bytes(bytes([i]) * (1 << 20))
+        paths.append(str(p))
+    return paths
+
+
+def _hashers() -> set[int | None]:
+    return {t.ident for t in threading.enumerate() if t.name == "kvcd-hash"}
+
+
+def test_the_hashing_threads_are_kept_and_few(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads that hash beside the check are started once and kept for the next check (no
+    thread start per check), never more than two in the process, whatever the cores."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64)))
+    paths = _many(tmp_path)
+    for _ in range(3):
+        driftstore.Hashes().facts(paths)
+    kept = _hashers()
+    assert 1 <= len(kept) <= 2
+    driftstore.Hashes().facts(paths)
+    assert _hashers() == kept
+
+
+def test_an_error_on_a_hashing_thread_is_the_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that cannot be read fails the facts, on whichever thread it was read."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    paths = _many(tmp_path)
+    real = files.sha256_regular
+
+    def refuse(path: str, buffer: bytearray) -> Any:
+        if path.endswith(("m1.ko", "m4.ko")):
+            raise PermissionError(errno.EACCES, "denied", path)
+        return real(path, buffer)
+
+    monkeypatch.setattr(files, "sha256_regular", refuse)
+    for _ in range(5):
+        with pytest.raises(PermissionError):
+            driftstore.Hashes().facts(paths)
+    monkeypatch.setattr(files, "sha256_regular", real)
+    assert driftstore.Hashes().facts(paths)[paths[1]].kind == core.FILE
 
 
 def test_the_periodic_check_reads_every_file_again(host: HostRoot) -> None:
