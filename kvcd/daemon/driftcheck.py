@@ -127,7 +127,7 @@ class Check:
         self.store = target
         self.watch_dirs.add(target)
         self._input(target / MANIFEST)
-        manifest = store.read_manifest(target)
+        manifest = store.read_manifest(target, self.hashes.manifests)
         if manifest is not None:
             return manifest.entries()
         if recorded and isinstance(tree.get("files"), dict):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvcd.core import drift as core
+from kvcd.daemon import store
 from kvcd.host import files, modtree
 from kvcd.host.paths import HostRoot
 
@@ -113,15 +114,20 @@ class Hashes:
         self._clock = clock
         self._known: dict[str, tuple[StatKey, str]] = {}
         self.hashed = 0  # files read and hashed (tests, benchmarks)
+        # Store manifests parsed, reused for the same bytes (read every time: no stat rule).
+        self.manifests: store.Parsed = {}
 
     def forget(self) -> None:
         self._known.clear()
+        self.manifests.clear()
 
     def retain(self, paths: Iterable[str]) -> None:
         """Forget the files not among `paths` (those a full check no longer looks at)."""
         keep = set(paths)
         for path in [p for p in self._known if p not in keep]:
             del self._known[path]
+        for tree in [t for t in self.manifests if str(t / store.MANIFEST) not in keep]:
+            del self.manifests[tree]
 
     def fact(self, path: str, *, trust: bool = True) -> core.Fact:
         return self.facts([path], trust=trust)[path]

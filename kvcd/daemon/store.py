@@ -172,19 +172,31 @@ def trees(root: HostRoot, instance: str) -> list[Path]:
     return found
 
 
-def read_manifest(directory: Path) -> Manifest | None:
+# Manifests parsed, by tree: the bytes each was parsed from, and the parse.
+Parsed = dict[Path, tuple[bytes, Manifest]]
+
+
+def read_manifest(directory: Path, known: Parsed | None = None) -> Manifest | None:
     """The manifest of the tree `directory`; None when there is none or it is not whole (the
-    plan then extracts the tree again)."""
+    plan then extracts the tree again). With `known`, the file is still read every time, but
+    parsed only when its bytes are not those of the manifest remembered there."""
+    path = directory / MANIFEST
     try:
-        data = files.read_json(directory / MANIFEST)
+        raw = files.read_bytes(path)
+        if raw is None:
+            return None
+        hit = known.get(directory) if known is not None else None
+        if hit is not None and hit[0] == raw:
+            return hit[1]
+        data = files.parse_json(path, raw)
     except files.Damaged as exc:
         log.warning("%s", exc)
         return None
-    if data is None:
-        return None
     manifest = Manifest.from_json(data)
     if manifest is None:
-        log.warning("%s: not a store manifest; the tree is extracted again", directory / MANIFEST)
+        log.warning("%s: not a store manifest; the tree is extracted again", path)
+    elif known is not None:
+        known[directory] = (raw, manifest)
     return manifest
 
 

@@ -40,6 +40,7 @@ from kvcd.daemon.events import HOLD, SKIP, Context, Event, Mailbox
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
+from kvcd.daemon.store import MANIFEST, Manifest
 from kvcd.host import files, journal, kmod, modtree
 from kvcd.host.fswatch import DirWatch, Hub, WatchLimit
 from kvcd.host.paths import HostRoot
@@ -656,6 +657,30 @@ def test_many_files_are_hashed_on_several_threads_alike(tmp_path: Path) -> None:
         paths.append(str(p))
     pooled = driftstore.Hashes().facts(paths)
     assert pooled == {p: driftstore.Hashes().facts([p])[p] for p in paths}
+
+
+def test_a_check_parses_the_manifest_only_when_it_changed_or_was_forgotten(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store tree's manifest is parsed again when its bytes changed, or after forget() (a
+    cold check remembers nothing); else the parse of the same bytes is reused."""
+    r = Rig(host)
+    r.mon.validate(r.ctx)
+    parses: list[object] = []
+    real = Manifest.from_json
+    monkeypatch.setattr(Manifest, "from_json", lambda d: parses.append(d) or real(d))
+    assert not r.mon.validate(r.ctx)
+    assert not parses
+    r.mon.forget()
+    assert not r.mon.validate(r.ctx)
+    assert len(parses) == 1
+    manifest = r.tree / MANIFEST
+    data = json.loads(manifest.read_text())
+    data["modules"]["kvcd_base"]["sha256"] = "0" * 64
+    manifest.write_text(json.dumps(data))
+    diffs = r.mon.validate(r.ctx)
+    assert len(parses) == 2
+    assert any(d.what == core.CONTENT and d.path.endswith("kvcd_base.ko") for d in diffs), diffs
 
 
 def _many(tmp_path: Path, n: int = 6) -> list[str]:

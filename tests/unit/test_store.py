@@ -4,6 +4,7 @@ manifest is an incomplete tree (None), never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvcd.daemon import store
 from kvcd.daemon.store import Manifest, StoredModule
+from kvcd.host import files
 
 GOOD: dict[str, Any] = {
     "version": "1.0",
@@ -80,3 +82,77 @@ JSON = st.recursive(
 def test_any_json_is_a_manifest_or_none(data: object) -> None:
     m = Manifest.from_json(data)
     assert m is None or isinstance(m, Manifest)
+
+
+# --- a manifest parsed once, reused while its bytes are the same (drift re-validation) -------
+
+
+def _same_size_mtime_restored(path: Path) -> None:
+    st = path.stat()
+    path.write_text(path.read_text().replace('"version": "1.0"', '"version": "2.0"'))
+    assert path.stat().st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _other_inode_same_bytes(path: Path) -> None:
+    copy = path.with_name("copy")
+    copy.write_bytes(path.read_bytes())
+    copy.replace(path)
+
+
+def _symlink_to_same_bytes(path: Path) -> None:
+    copy = path.with_name("copy")
+    copy.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(copy)
+
+
+MEMO_TABLE = [
+    pytest.param(None, "reused", id="unchanged"),
+    pytest.param(lambda p: os.utime(p, (1, 1)), "reused", id="touched-same-bytes"),
+    pytest.param(_other_inode_same_bytes, "reused", id="other-inode-same-bytes"),
+    pytest.param(_same_size_mtime_restored, "2.0", id="same-stat-other-bytes"),
+    pytest.param(lambda p: p.write_text(json.dumps({**GOOD, "image": "x"})), "1.0", id="size"),
+    pytest.param(lambda p: p.write_text("{"), None, id="damaged"),
+    pytest.param(lambda p: p.unlink(), None, id="removed"),
+    pytest.param(_symlink_to_same_bytes, files.Refused, id="symlink-refused"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "then"), MEMO_TABLE)
+def test_a_remembered_manifest_is_reused_only_for_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutate: Any, then: Any
+) -> None:
+    """The file is read every time; its parse is reused only when the bytes are those it was
+    parsed from (no stat rule: a write that leaves size and times as they were is seen)."""
+    store.write_manifest(tmp_path, Manifest.from_json(GOOD))  # type: ignore[arg-type]
+    known: store.Parsed = {}
+    first = store.read_manifest(tmp_path, known)
+    assert first is not None and first.version == "1.0"
+    parses: list[object] = []
+    real = Manifest.from_json
+    monkeypatch.setattr(Manifest, "from_json", lambda d: parses.append(d) or real(d))
+    if mutate is not None:
+        mutate(tmp_path / store.MANIFEST)
+    if then is files.Refused:
+        with pytest.raises(files.Refused):
+            store.read_manifest(tmp_path, known)
+        return
+    again = store.read_manifest(tmp_path, known)
+    if then == "reused":
+        assert again is first and not parses
+    elif then is None:
+        assert again is None
+    else:
+        assert again is not None and again is not first and again.version == then
+        assert len(parses) == 1
+        assert store.read_manifest(tmp_path, known) is again  # the new one is remembered
+
+
+def test_a_manifest_is_parsed_again_once_forgotten(tmp_path: Path) -> None:
+    store.write_manifest(tmp_path, Manifest.from_json(GOOD))  # type: ignore[arg-type]
+    known: store.Parsed = {}
+    first = store.read_manifest(tmp_path, known)
+    known.clear()
+    again = store.read_manifest(tmp_path, known)
+    assert again == first and again is not first
