@@ -120,25 +120,34 @@ def firmware_name(name: object) -> bool:
     return all(p not in ("", ".", "..") for p in parts) and all(ord(c) >= 32 for c in name)
 
 
+_OPTIONAL_STR = ("sha256", "srcversion", "version", "vermagic", "signer", "sig_key", "sig_hash")
+
+
 def _module(info: object) -> StoredModule | None:
-    if not isinstance(info, dict) or not isinstance(info.get("file"), str):
+    # Once per module file on every parse: a plain loop, not a generator, and no keywords.
+    if not isinstance(info, dict):
         return None
-    optional_str = ("sha256", "srcversion", "version", "vermagic", "signer", "sig_key", "sig_hash")
-    if any(not isinstance(info.get(k), (str, type(None))) for k in optional_str):
+    get = info.get
+    file = get("file")
+    if not isinstance(file, str):
         return None
-    mode = info.get("mode")
+    for k in _OPTIONAL_STR:
+        v = get(k)
+        if v is not None and not isinstance(v, str):
+            return None
+    mode = get("mode")
     if mode is not None and (not isinstance(mode, int) or isinstance(mode, bool)):
         return None
-    return StoredModule(
-        file=info["file"],
-        sha256=info.get("sha256"),
-        mode=mode,
-        srcversion=info.get("srcversion"),
-        version=info.get("version"),
-        vermagic=info.get("vermagic"),
-        signer=info.get("signer"),
-        sig_key=info.get("sig_key"),
-        sig_hash=info.get("sig_hash"),
+    return StoredModule(  # by position, in the fields' order (test_store checks each field)
+        file,
+        get("sha256"),
+        mode,
+        get("srcversion"),
+        get("version"),
+        get("vermagic"),
+        get("signer"),
+        get("sig_key"),
+        get("sig_hash"),
     )
 
 

@@ -3,6 +3,7 @@ manifest is an incomplete tree (None), never a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -47,6 +48,14 @@ def test_a_manifest_round_trips_and_answers_for_its_tree(tmp_path: Path) -> None
     store.write_manifest(tmp_path, linked)
     back = store.read_manifest(tmp_path)
     assert back is not None and (back.kernel, back.weak_updates_from) == ("6.2.0", m.kernel)
+
+
+def test_every_field_of_a_module_lands_in_its_own_place() -> None:
+    fields = [f.name for f in dataclasses.fields(StoredModule)]
+    info: dict[str, Any] = {f: f"<{f}>" for f in fields}
+    info["mode"] = 0o600
+    m = Manifest.from_json({"version": "1", "kernel": "k", "modules": {"m": info}})
+    assert m is not None and m.modules["m"] == StoredModule(**info)
 
 
 @pytest.mark.parametrize(
