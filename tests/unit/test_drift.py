@@ -35,7 +35,7 @@ from kvcd.core import drift as core
 from kvcd.core import state
 from kvcd.core.attempts import OBSERVE, OK, RETRY
 from kvcd.core.state import StepFailed
-from kvcd.daemon import drift, driftstore, extensions, status
+from kvcd.daemon import drift, driftcheck, driftstore, extensions, status
 from kvcd.daemon.events import HOLD, SKIP, Context, Event, Mailbox
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
@@ -681,6 +681,27 @@ def test_a_check_parses_the_manifest_only_when_it_changed_or_was_forgotten(
     diffs = r.mon.validate(r.ctx)
     assert len(parses) == 2
     assert any(d.what == core.CONTENT and d.path.endswith("kvcd_base.ko") for d in diffs), diffs
+
+
+@pytest.mark.parametrize("via", ["", "x/../"])
+def test_the_listed_module_files_are_normalized_paths(tmp_path: Path, via: str) -> None:
+    """Plain names, names in subdirectories, dotted names: each expected at its normalized
+    path, its directory watched (a tree named through '..' too)."""
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tmp_path / "x").mkdir()
+    for rel in ("a.ko", "sub/b.ko", "..c.ko"):
+        (tree / rel).write_bytes(b"x")
+    check = driftcheck.Check.__new__(driftcheck.Check)
+    check.expected, check.observed, check.watch_dirs = {}, {}, set()
+    check.hashes, check.trust = driftstore.Hashes(), True
+    rels = ("a.ko", "sub/b.ko", "./sub/../sub/b.ko", "..c.ko", "sub/../gone.ko")
+    check._files(Path(f"{tmp_path}/{via}tree"), {rel: {"mode": 0o644} for rel in rels})
+    names = ("a.ko", "sub/b.ko", "..c.ko", "gone.ko")
+    assert set(check.expected) == {str(tree / n) for n in names}
+    assert check.watch_dirs == {tree, tree / "sub"}
+    assert check.observed[str(tree / "gone.ko")].kind == core.ABSENT
+    assert check.observed[str(tree / "sub/b.ko")].kind == core.FILE
 
 
 def _many(tmp_path: Path, n: int = 6) -> list[str]:
