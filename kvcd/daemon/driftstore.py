@@ -192,7 +192,16 @@ def _helpers_for(misses: int, size: int) -> int:
     """How many helper threads hash beside the caller: none for little to read."""
     if misses < 2 or size < _POOL_BYTES:
         return 0
-    return max(0, min(_HELPERS, misses - 1, len(os.sched_getaffinity(0)) - 1))
+    return max(0, min(_HELPERS, misses - 1, _cpus() - 1))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity), else those online: a system call
+    filter may refuse sched_getaffinity (kvcd@'s has SystemCallErrorNumber=EPERM)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except OSError:
+        return os.cpu_count() or 1
 
 
 _T = TypeVar("_T")

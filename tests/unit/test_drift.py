@@ -732,6 +732,21 @@ def test_the_hashing_threads_are_kept_and_few(
     assert _hashers() == kept
 
 
+def test_the_helpers_follow_the_cpus_and_a_refused_affinity_is_the_online_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refused(_pid: int) -> set[int]:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    big = 4 << 20
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert driftstore._helpers_for(10, big) == 0  # one CPU: the caller hashes alone
+    monkeypatch.setattr(os, "sched_getaffinity", refused)
+    assert driftstore._helpers_for(10, big) == 2
+    assert driftstore._helpers_for(10, big - 1) == 0  # too little to read for a second core
+
+
 def test_an_error_on_a_hashing_thread_is_the_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
