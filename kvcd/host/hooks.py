@@ -16,7 +16,15 @@ from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
-from kvcd.host.run import LEFTOVER_GRACE, CommandError, Completed, run, run_group, run_inherit
+from kvcd.host.run import (
+    LEFTOVER_GRACE,
+    TIMED_OUT,
+    CommandError,
+    Completed,
+    run,
+    run_group,
+    run_inherit,
+)
 
 FUNCTIONS = ("build_kmods", "load_kmods", "unload_kmods", "wrapper")
 
@@ -101,7 +109,7 @@ class TimedOut(CommandError):
     """A library function ran past its timeout and was stopped."""
 
     def __init__(self, argv: Sequence[str], timeout: float) -> None:
-        super().__init__(argv, 124, f"timed out after {timeout:g}s")
+        super().__init__(argv, TIMED_OUT, f"timed out after {timeout:g}s")
         self.timeout = timeout
 
 

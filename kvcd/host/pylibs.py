@@ -83,6 +83,11 @@ class Missing(Exception):
     """A library kvcd or a setting needs does not import. The message is one line."""
 
 
+class NoAnswer(Exception):
+    """The child that imports the required libraries did not answer in time: it proves
+    nothing either way (a busy node starves an idle-class child; ask again)."""
+
+
 def locate(name: str) -> object:
     """An :data:`Importer` that finds the module without running it (its top-level package's
     spec): what the read-only verbs ask. Importing podman, pyroute2 or the kubernetes client
@@ -175,15 +180,21 @@ def require_all_in_child(timeout: float = CHILD_TIMEOUT) -> None:
     """:func:`require_all`, the imports done by a child of this interpreter (its executable,
     its sys.path): `kvcd run` learns whether every required library imports without keeping
     them resident (issue #20: podman-py with requests, and pyroute2, are most of a daemon's
-    memory, and a cached start needs neither). A child that gives no answer is the problem."""
+    memory, and a cached start needs neither). A child that fails without an answer is the
+    problem; one still importing after `timeout` seconds is stopped and NoAnswer raised."""
     from kvcd.host import run
 
     modules = [p.module for r in REQUIRED for p in r.packages]
     argv = [sys.executable, "-c", _PROBE, json.dumps(sys.path), *modules]
     try:
         done = run.run(argv, timeout=timeout)
+    except run.CommandError as exc:
+        if exc.rc == run.TIMED_OUT:
+            raise NoAnswer(f"no answer from the child in {timeout:g} s") from exc
+        raise Missing(f"kvcd could not import its required libraries in a child: {exc}") from exc
+    try:
         why: dict[str, str | None] = json.loads(done.stdout.strip().splitlines()[-1])
-    except (run.CommandError, ValueError, IndexError) as exc:
+    except (ValueError, IndexError) as exc:
         raise Missing(f"kvcd could not import its required libraries in a child: {exc}") from exc
 
     def answered(name: str) -> object:

@@ -18,6 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+# The exit status a timed-out command is given (timeout(1)'s).
+TIMED_OUT = 124
+
 
 class CommandError(Exception):
     """A command exited non-zero, could not be started, or timed out."""
@@ -88,7 +91,7 @@ def run(
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        raise CommandError(argv, 124, f"timed out after {timeout}s") from exc
+        raise CommandError(argv, TIMED_OUT, f"timed out after {timeout}s") from exc
     except OSError as exc:
         raise CommandError(argv, 126, str(exc)) from exc
     done = Completed(list(argv), proc.returncode, proc.stdout, proc.stderr)
@@ -126,7 +129,7 @@ def run_group(
             rc = proc.wait()
         stdout, stderr = (_text(f) for f in (out, err))
     if not exited:
-        raise CommandError(argv, 124, f"timed out after {timeout}s")
+        raise CommandError(argv, TIMED_OUT, f"timed out after {timeout}s")
     if rc != 0:
         raise CommandError(argv, rc, stderr or stdout)
     return Completed(list(argv), rc, stdout, stderr)

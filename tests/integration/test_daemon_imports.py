@@ -170,3 +170,17 @@ def test_a_child_that_gives_no_answer_is_the_problem(monkeypatch: pytest.MonkeyP
     assert str(exc.value) == (
         "kvcd could not import its required libraries in a child: /bin/false exited 1: no output"
     )
+
+
+def test_a_child_still_importing_at_the_timeout_is_no_answer_not_a_missing_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty instances starting at once on a one-CPU guest starved the idle-class children
+    past the wait: a timeout said "could not import its required libraries", and every
+    instance went Degraded with libraries that import."""
+    slow = tmp_path / "slow"
+    fakehost.write(slow / "podman" / "__init__.py", "import time\ntime.sleep(30)\n")
+    monkeypatch.syspath_prepend(str(slow))
+    with pytest.raises(pylibs.NoAnswer) as exc:
+        pylibs.require_all_in_child(timeout=1)
+    assert str(exc.value) == "no answer from the child in 1 s"

@@ -303,6 +303,32 @@ def test_a_required_library_that_is_installed_but_broken_degrades_the_running_in
     assert sorted(p.name for p in root.sys_module.iterdir()) == ["kvcd_base", "kvcd_user"]
 
 
+def test_a_library_check_without_an_answer_is_asked_again_and_degrades_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child still importing when the wait ends proves nothing: the proof asks again, waiting
+    twice as long, and only an answer decides (here: every library imports)."""
+    from kvcd.daemon import libraries
+    from kvcd.daemon.events import Context, Mailbox
+
+    waits: list[float] = []
+
+    def slow_then_fine(timeout: float = 0) -> None:
+        waits.append(timeout)
+        if len(waits) < 3:
+            raise pylibs.NoAnswer(f"no answer from the child in {timeout:g} s")
+
+    monkeypatch.setattr(libraries.pylibs, "require_all_in_child", slow_then_fine)
+    mail = Mailbox()
+    cfg: Any = None  # the proof reads neither the config nor the settings
+    ctx = Context(HostRoot(Path("/nonexistent")), "e2e", K, cfg, cfg, mail.post)
+    proof = libraries.LibraryProof()
+    proof._prove(ctx)
+    assert waits == [pylibs.CHILD_TIMEOUT, 2 * pylibs.CHILD_TIMEOUT, 4 * pylibs.CHILD_TIMEOUT]
+    assert proof.problem is None
+    assert mail.drain() == []
+
+
 def test_run_refuses_the_kubernetes_backend_without_its_client(
     root: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
