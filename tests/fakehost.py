@@ -50,9 +50,14 @@ fi
 mkdir -p "$sys/$name/holders"
 echo live > "$sys/$name/initstate"; echo 0 > "$sys/$name/refcnt"
 """
-# Unloads <name>, and drops it as a holder of the modules it used, as the kernel does.
+# Unloads <name>, and drops it as a holder of the modules it used, as the kernel does. Names
+# listed in $FAKE_ROOT/fail-unload fail as rmmod does when the kernel refuses.
 RMMOD = r"""
 sys="$FAKE_ROOT/sys/module"
+if grep -qx "$1" "$FAKE_ROOT/fail-unload" 2>/dev/null; then
+  echo "rmmod: ERROR: could not remove module $1: Operation not permitted" >&2
+  exit 1
+fi
 rm -r "$sys/$1"
 for h in "$sys"/*/holders/"$1"; do
   [ -d "$h" ] || continue

@@ -147,12 +147,21 @@ class Instance:
             try:
                 executor.apply(plan)
             except StepFailed as exc:
-                _enter(w, about, state.DEGRADED, exc.code, exc.detail)
+                _enter(w, self._holding(about, verb), state.DEGRADED, exc.code, exc.detail)
                 raise
             finally:
                 if self._owns_podman:  # its API connection, not left to the garbage collector
                     executor.close()
-            return _enter(w, about, done, code, why)
+            return _enter(w, self._holding(about, verb), done, code, why)
+
+    def _holding(self, about: dict[str, Any], verb: str) -> dict[str, Any]:
+        """`about` with what the instance holds after its load or unload went through or
+        failed (rolled back, or not all of it): its modules in the kernel now. Before this,
+        its record said Working and claimed them all. A build leaves the kernel alone."""
+        if verb not in ("load", "unload"):
+            return about
+        mods = about["modules"]
+        return {**about, "held": [m for m in mods if sysmodule.read_module(self.root, m)]}
 
     def _check_owner(self, w: Writer, verb: str, pid: int | None) -> None:
         """One owner per module: refuse to load or unload a module another instance holds;
@@ -233,6 +242,7 @@ class Instance:
             if previous is None:
                 about["version"] = self.cfg.version
                 about["modules"] = [m.kernel_name for m in self.cfg.modules]
+                about["held"] = []
             if attempt is not None:
                 about["attempt"] = attempt
             same = previous is not None and previous.says(new_state, code, detail)
@@ -253,6 +263,7 @@ def _enter(
     say the new state in the journal (not when `quiet`: the same state again)."""
 
     def edit(record: Record) -> bool:
+        record.at_boot(about.get("boot_id", record.boot_id))
         for key, value in about.items():
             setattr(record, key, value)
         record.state, record.code, record.detail = new_state, code, detail
@@ -291,10 +302,12 @@ def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
 
 
 def held_modules(root: HostRoot) -> dict[str, list[str]]:
-    """Each instance's modules it holds now: recorded with the goal loaded, and either in the
-    kernel or being loaded (Working). A record that cannot be read holds nothing here (its own
-    daemon sets it aside and says so)."""
+    """Each instance's modules it holds now, in this boot, with the goal loaded: all of them
+    while it loads them (Working), else those it loaded itself (`held`) that are in the
+    kernel. A record of an earlier boot, or one that cannot be read, holds nothing here (its
+    own daemon sets a damaged one aside and says so)."""
     out: dict[str, list[str]] = {}
+    boot = boot_id(root)
     for other in recorded_names(root):
         try:
             rec = Record.load(root, other)
@@ -302,11 +315,13 @@ def held_modules(root: HostRoot) -> dict[str, list[str]]:
             continue
         if rec is None or rec.goal != "loaded":
             continue
-        held = [
-            m
-            for m in rec.modules
-            if rec.state == state.WORKING or sysmodule.read_module(root, m) is not None
-        ]
+        if boot is not None and rec.boot_id is not None and rec.boot_id != boot:
+            continue
+        if rec.state == state.WORKING:
+            held = rec.modules
+        else:
+            mods = rec.modules if rec.held is None else rec.held  # None: an earlier kvcd's
+            held = [m for m in mods if sysmodule.read_module(root, m) is not None]
         if held:
             out[other] = held
     return out
@@ -324,7 +339,7 @@ def _fail(w: Writer, kernel: str, code: str, detail: str, pid: int | None) -> No
     def edit(record: Record) -> bool:
         record.state, record.code, record.detail = state.DEGRADED, code, detail
         record.kernel = kernel
-        record.boot_id = boot_id(w.root)
+        record.at_boot(boot_id(w.root))
         record.updated = time.time()
         record.generation += 1
         record.pid = pid

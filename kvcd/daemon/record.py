@@ -80,6 +80,10 @@ class Record:
     kernel: str = ""
     boot_id: str | None = None
     modules: list[str] = field(default_factory=list)
+    # The modules this instance put in the kernel in this boot (`boot_id`) and has not taken
+    # out: what it owns (kvcd.daemon.instance.held_modules). None: written by an earlier
+    # kvcd, whose record owned its `modules` in the kernel while the goal was loaded.
+    held: list[str] | None = None
     updated: float = 0.0
     generation: int = 0
     pid: int | None = None
@@ -95,6 +99,13 @@ class Record:
     @property
     def reason(self) -> str:
         return state.reason_text(self.code, self.detail)
+
+    def at_boot(self, boot: str | None) -> None:
+        """The record is written in boot `boot` from now on: what it held in an earlier boot
+        went with that boot."""
+        if boot != self.boot_id:
+            self.held = []
+        self.boot_id = boot
 
     def says(self, new_state: str, code: str, detail: str) -> bool:
         return (self.state, self.code, self.detail) == (new_state, code, detail)
@@ -121,7 +132,7 @@ class Record:
                 raise files.Damaged(path, f"has {name!r} of the wrong type: {value!r:.40}")
             known[name] = (
                 list(value)
-                if name == "modules"
+                if name in ("modules", "held") and value is not None
                 else Attempt(**value)
                 if name == "attempt"
                 else value
@@ -140,7 +151,7 @@ class Record:
             return f"holds the record of {self.instance!r:.80}, not of {instance!r}"
         if self.state not in STATES:
             return f"has the unknown state {self.state!r:.40}"
-        bad = [m for m in self.modules if not MODULE_NAME.fullmatch(m)]
+        bad = [m for m in self.modules + (self.held or []) if not MODULE_NAME.fullmatch(m)]
         if bad:
             return f"lists {bad[0]!r:.80}, which is not a module name"
         for key, value, ok in (
@@ -306,3 +317,4 @@ _FIELD_TYPES: dict[str, Callable[[object], bool]] = {
     "float": lambda v: _is_int(v) or isinstance(v, float),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
+_FIELD_TYPES["list[str] | None"] = _opt(_FIELD_TYPES["list[str]"])
