@@ -228,6 +228,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "inhibit_reboot": rules.valid_bool,
         "pull_secret": rules.valid_abs_path,
         "hook_timeout": rules.valid_seconds,
+        "image_timeout": rules.valid_seconds,
     }
     for key, rule in table.items():
         if key in data:

@@ -205,6 +205,10 @@ class Settings:
     # is stopped and its instance goes Degraded (HookFailed): below the unit's
     # TimeoutStartSec=30min, so a hung first start ends with its reason written down.
     hook_timeout: float = 1200.0
+    # Seconds a pull, build or image load through podman may take before kvcd disconnects and
+    # its instance goes Degraded (PullFailed, BuildFailed, ImportFailed); below
+    # TimeoutStartSec=30min for the same reason.
+    image_timeout: float = 1200.0
 
 
 def is_kvcd_tag(ref: str) -> bool:

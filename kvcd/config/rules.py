@@ -94,6 +94,7 @@ SETTINGS_KEYS = (
     "inhibit_reboot",
     "pull_secret",
     "hook_timeout",
+    "image_timeout",
 )
 NODE_BACKENDS = ("file", "kubernetes")
 MODULE_TREES = ("kvcd", "system")

@@ -274,9 +274,9 @@ def prepare_command(
     names = [name] if name is not None else list_instances(root)
 
     def client() -> Podman:
-        from kvcd.host.podman import Podman
+        from kvcd.daemon import images
 
-        return Podman(settings.podman_socket)
+        return images.client(settings)
 
     status = 0
     for n in names:

@@ -222,6 +222,14 @@ class Images:
             log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
 
 
+def client(settings: Settings) -> Podman:
+    """A client of the podman service kvcd.toml names, whose pulls, builds and image loads
+    end at image_timeout."""
+    from kvcd.host.podman import Podman
+
+    return Podman(settings.podman_socket, image_timeout=settings.image_timeout)
+
+
 def archive_problem(planned: Plan) -> str:
     """check-config: why an archive the plan loads (image_archive) cannot be read now; ""."""
     for a in planned.actions:
@@ -239,7 +247,6 @@ def import_command(root: HostRoot, name: str, archive: str, kernel: str | None) 
     from kvcd.config.loader import load_instance, load_settings
     from kvcd.daemon.record import running_kernel
     from kvcd.daemon.variants import resolve_variant
-    from kvcd.host.podman import Podman
     from kvcd.host.podtypes import PodmanUnavailable
 
     settings = load_settings(root)
@@ -249,7 +256,7 @@ def import_command(root: HostRoot, name: str, archive: str, kernel: str | None) 
         print(f"kvcd: {name}: {no_variant}", file=sys.stderr)
         return 1
     tag = cfg.image_tag(kernel)
-    with Podman(settings.podman_socket) as podman:
+    with client(settings) as podman:
         images = Images(cfg, kernel, settings, lambda: podman, lambda _s: None, {})
         try:
             info = images.load_archive(Path(archive), tag)

@@ -70,9 +70,9 @@ class Instance:
         self.store_only = False  # at_version: load from the store, never pull, build or extract
 
     def _default_podman(self) -> Podman:
-        from kvcd.host.podman import Podman
+        from kvcd.daemon.images import client
 
-        return Podman(self.settings.podman_socket)
+        return client(self.settings)
 
     @property
     def desired(self) -> Desired:

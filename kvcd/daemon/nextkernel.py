@@ -92,9 +92,9 @@ def _set_fields(record: Record, outcome: Outcome) -> bool:
 
 def _default_podman(settings: Settings) -> Callable[[], Podman]:
     def make() -> Podman:
-        from kvcd.host.podman import Podman
+        from kvcd.daemon.images import client
 
-        return Podman(settings.podman_socket)
+        return client(settings)
 
     return make
 

@@ -189,11 +189,10 @@ def _stored_images(root: HostRoot, name: str) -> set[str]:
 def _images(
     settings: Settings, name: str, tags: set[str], podman: Callable[[], Podman] | None
 ) -> str | None:
-    from kvcd.daemon import imagelabels
-    from kvcd.host.podman import Podman
+    from kvcd.daemon import imagelabels, images
     from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
-    client = podman() if podman is not None else Podman(settings.podman_socket)
+    client = podman() if podman is not None else images.client(settings)
     try:
         for img in client.list_instance_images(name):  # its builds
             client.remove_image(img.id)

@@ -25,13 +25,11 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO
 
-import requests
-from podman.api import APIClient
-
+from kvcd.host.podapi import Client, error_text
 from kvcd.host.podbuild import (
     Body,
     BuildLog,
@@ -40,7 +38,6 @@ from kvcd.host.podbuild import (
 )
 from kvcd.host.podtypes import (
     CHUNK,
-    DEFAULT_URL,
     EXTRACT_PID_LABEL,
     EXTRACT_ROLE_LABEL,
     INSTANCE_LABEL,
@@ -64,77 +61,8 @@ from kvcd.host.tarstream import (
 log = logging.getLogger(__name__)
 
 
-class Podman:
-    """A client of one podman API service. Cheap to construct; connects on first use."""
-
-    def __init__(self, url: str = DEFAULT_URL, timeout: float = 30.0) -> None:
-        """``url``: ``unix:///path.sock`` (or any scheme podman-py takes); ``timeout``: seconds
-        for connecting and for each reply. Builds and pulls wait for output without a limit
-        (a compile step may be silent for long); everything else is bounded by ``timeout``."""
-        self.url = url
-        self.timeout = timeout
-        try:
-            self._api: Any = APIClient(base_url=url, timeout=timeout)
-        except ValueError as exc:
-            raise PodmanError(f"bad podman API URL {url!r}: {exc}") from exc
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], timeout: float = 30.0) -> Podman:
-        """The service named by CONTAINER_HOST in ``env`` (as the podman CLI does), else the
-        default rootful socket."""
-        return cls(env.get("CONTAINER_HOST") or DEFAULT_URL, timeout)
-
-    def close(self) -> None:
-        self._api.close()
-
-    def __enter__(self) -> Podman:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # --- plumbing -----------------------------------------------------------------------
-
-    def _call(
-        self, method: str, path: str, what: str, *, stream: bool = False, **kwargs: Any
-    ) -> requests.Response:
-        """One API request; transport failures become PodmanUnavailable. HTTP error statuses
-        are returned for the caller to judge (see :meth:`_failure`)."""
-        kwargs.setdefault("timeout", self.timeout)
-        try:
-            resp = getattr(self._api, method)(path, stream=stream, **kwargs)
-        except requests.RequestException as exc:
-            # podman-py wraps every OSError of the transport in an APIError without a response.
-            raise self._unavailable(what, exc) from exc
-        # podman-py's APIResponse forwards every attribute to the requests.Response it wraps.
-        return cast("requests.Response", resp)
-
-    def _unavailable(self, what: str, exc: BaseException) -> PodmanUnavailable:
-        cause: BaseException | None = exc
-        while cause is not None and cause.__cause__ is not None:
-            cause = cause.__cause__
-        return PodmanUnavailable(f"podman API at {self.url} did not answer ({what}): {cause}")
-
-    @staticmethod
-    def _failure(
-        what: str, resp: requests.Response, cls: type[PodmanError] = PodmanError
-    ) -> PodmanError:
-        return cls(f"{what}: {_message(resp)}")
-
-    def _lines(self, resp: requests.Response, what: str) -> Iterator[dict[str, Any]]:
-        """The JSON objects of a streamed reply, one per line, as they arrive."""
-        try:
-            for raw in resp.iter_lines():
-                if not raw:
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    obj = {"stream": raw.decode("utf-8", "replace") + "\n"}
-                if isinstance(obj, dict):
-                    yield obj
-        except requests.RequestException as exc:
-            raise self._unavailable(what, exc) from exc
+class Podman(Client):
+    """A client of one podman API service: images, builds, pulls, extraction."""
 
     # --- queries ------------------------------------------------------------------------
 
@@ -185,20 +113,21 @@ class Podman:
         params = {"reference": ref}
         if not tls_verify:
             params["tlsVerify"] = "false"
+        deadline = self._deadline()
         resp = self._call(
             "post",
             "/images/pull",
             what,
             stream=True,
+            deadline=deadline,
             params=params,
             headers={"X-Registry-Auth": auth} if auth else None,
-            timeout=(self.timeout, None),
         )
         try:
             if resp.status_code != 200:
                 raise self._failure(what, resp)
             image_id = error = None
-            for msg in self._lines(resp, what):
+            for msg in self._lines(resp, what, deadline):
                 if msg.get("error"):
                     error = str(msg["error"]).strip()
                 elif msg.get("id"):
@@ -231,9 +160,9 @@ class Podman:
             "post",
             "/images/load",
             what,
+            deadline=self._deadline(),
             data=file_chunks(archive),
             headers={"Content-Type": "application/x-tar"},
-            timeout=(self.timeout, None),
         )
         if resp.status_code != 200:
             raise self._failure(what, resp)
@@ -263,16 +192,17 @@ class Podman:
         body = Body(chunks)
         what = f"build {spec.tag} from {spec.context}"
         log.info("%s (%s context)", what, kind)
+        deadline = self._deadline()
         try:
             resp = self._call(
                 "post",
                 "/build",
                 what,
                 stream=True,
+                deadline=deadline,
                 params=params,
                 data=body if kind in ("dir", "tarball") else b"",
                 headers={"Content-Type": "application/x-tar"},
-                timeout=(self.timeout, None),
             )
         except PodmanUnavailable:
             if body.error is not None:  # our side failed reading the context: permanent
@@ -287,7 +217,7 @@ class Podman:
                 # podman 4.3.1 answers a failed remote fetch with a 500 and then goes on
                 # writing more error objects; the first one names the real cause.
                 raise self._failure(what, resp)
-            for msg in self._lines(resp, what):
+            for msg in self._lines(resp, what, deadline):
                 output.feed(msg)
             output.flush()
         finally:
@@ -358,12 +288,6 @@ class Podman:
                 self._remove_container(container)
             shutil.rmtree(staging, ignore_errors=True)
 
-    def _chunks(self, resp: requests.Response, what: str) -> Iterator[bytes]:
-        try:
-            yield from resp.iter_content(CHUNK)
-        except requests.RequestException as exc:
-            raise self._unavailable(what, exc) from exc
-
     def _create_container(self, image_ref: str) -> str:
         what = f"create a container of {image_ref}"
         spec = {
@@ -375,7 +299,7 @@ class Podman:
         }
         resp = self._call("post", "/containers/create", what, data=json.dumps(spec))
         if resp.status_code not in (200, 201):
-            message = _message(resp)
+            message = error_text(resp)
             if resp.status_code == 404 or "image not known" in message:  # 4.3.1 says 500
                 raise PodmanError(f"{what}: no such image")
             raise PodmanError(f"{what}: {message}")
@@ -396,7 +320,7 @@ class Podman:
         flt = json.dumps({"label": [f"{EXTRACT_ROLE_LABEL}=extract"]})
         resp = self._call("get", "/containers/json", what, params={"all": True, "filters": flt})
         if resp.status_code != 200:
-            log.warning("%s: %s", what, _message(resp))
+            log.warning("%s: %s", what, error_text(resp))
             return
         for ctr in resp.json() or []:
             owner = (ctr.get("Labels") or {}).get(EXTRACT_PID_LABEL, "")
@@ -413,7 +337,7 @@ class Podman:
                 "delete", f"/containers/{container}", what, params={"force": True, "v": True}
             )
             if resp.status_code not in (200, 204, 404):
-                log.warning("%s: %s", what, _message(resp))
+                log.warning("%s: %s", what, error_text(resp))
         except PodmanUnavailable as exc:
             log.warning("%s", exc)
 
@@ -480,19 +404,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _message(resp: requests.Response) -> str:
-    """The service's own words from an error reply (first JSON object), else its text."""
-    try:
-        text = resp.text
-    except requests.RequestException:
-        return f"HTTP {resp.status_code}"
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    try:
-        body = json.loads(first)
-    except ValueError:
-        return f"HTTP {resp.status_code}: {first or 'no detail'}"
-    if isinstance(body, dict):
-        return str(body.get("message") or body.get("cause") or body)
-    return str(body)

@@ -34,6 +34,11 @@ class PodmanError(Exception):
     """The podman API answered but the operation failed: permanent for this input."""
 
 
+class PodmanTimedOut(PodmanError):
+    """A pull, build or image load ran past its time limit, and kvcd disconnected (podman
+    abandons a build whose client went away once its current step ends)."""
+
+
 class ImageInUse(PodmanError):
     """An image cannot be removed because a container uses it."""
 

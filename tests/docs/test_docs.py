@@ -550,10 +550,11 @@ def test_the_shipped_kvcd_toml_sets_each_setting_to_its_default() -> None:
         if getattr(shipped, f.name) != getattr(default, f.name)
     ]
     assert differ == []
-    readme = (REPO / "README.md").read_text()
-    assert f"`hook_timeout` seconds (`/etc/kvcd/kvcd.toml`, default {default.hook_timeout:g})" in (
-        " ".join(readme.split())
-    )
+    readme = " ".join((REPO / "README.md").read_text().split())
+    for key in ("hook_timeout", "image_timeout"):
+        value = getattr(default, key)
+        assert f"`{key}` seconds (`/etc/kvcd/kvcd.toml`, default {value:g})" in readme
+    assert f"within image_timeout = {default.image_timeout:g} s (kvcd.toml)" in readme
 
 
 def test_every_documented_instance_name_rule_is_the_code_s() -> None:

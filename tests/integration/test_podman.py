@@ -23,6 +23,7 @@ from kvcd.host.podtypes import (
     BuildSpec,
     ImageInfo,
     PodmanError,
+    PodmanTimedOut,
 )
 
 pytestmark = pytest.mark.integration
@@ -284,6 +285,46 @@ def test_build_cancelled_by_on_line_leaves_nothing(
     assert podman.get_image(tag) is None
     assert podman.list_instance_images(instance) == []  # not even untagged
     assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+
+
+def test_a_build_past_image_timeout_frees_kvcd_and_is_abandoned_after_its_step(
+    podman: Podman, podman_service: Any, podman_api: Any, base_image: str, tmp_path: Path
+) -> None:
+    """A build step that runs on past image_timeout: PodmanTimedOut at the limit, so the
+    daemon is free again. podman 4.3 does not stop the step it is running when its client
+    hangs up (buildah starts it without the request's context); it abandons the build once
+    that step ends: no image, no working container left."""
+    instance = uniq("slow")
+    step = "sleep 9.25"  # a command line no other test runs
+    ctx = driver_context(tmp_path, base_image, run=f"echo go && {step} && echo end")
+    ctrs_before = {c["Id"] for c in containers(podman_api)}
+    tag = f"localhost/kvcd-test/{instance}:1"
+    spec = BuildSpec(str(ctx), "Containerfile", tag, {"KVER": KVER}, labels(instance))
+    started = time.monotonic()
+    impatient = Podman(podman_service.url, image_timeout=2)
+    with impatient, pytest.raises(PodmanTimedOut, match="within image_timeout = 2 s"):
+        impatient.build(spec, lambda line: None)
+    assert time.monotonic() - started < 9
+    assert running(step)  # podman's to end, not kvcd's
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (
+        running(step) or {c["Id"] for c in containers(podman_api)} != ctrs_before
+    ):
+        time.sleep(0.5)
+    assert not running(step)
+    assert {c["Id"] for c in containers(podman_api)} == ctrs_before
+    assert podman.get_image(tag) is None and podman.list_instance_images(instance) == []
+
+
+def running(cmdline: str) -> bool:
+    want = cmdline.replace(" ", "\0").encode() + b"\0"
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == want:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def test_remote_context_errors_are_reported(podman: Podman) -> None:

@@ -139,8 +139,11 @@ def test_the_client_a_change_made_is_closed_with_it(
     made: list[FakePodman] = []
 
     class Client(FakePodman):
-        def __init__(self, url: str, timeout: float = 30.0) -> None:
+        def __init__(
+            self, url: str, timeout: float = 30.0, image_timeout: float | None = None
+        ) -> None:
             super().__init__(host, K)
+            assert image_timeout == 77.0  # kvcd.toml's, so a hung build ends (images.client)
             self.fail_build = fails
             self.closed = False
             made.append(self)
@@ -149,7 +152,7 @@ def test_the_client_a_change_made_is_closed_with_it(
             self.closed = True
 
     monkeypatch.setattr(podman_module, "Podman", Client)
-    inst = Instance(host, Settings(), config(host), K)
+    inst = Instance(host, Settings(image_timeout=77.0), config(host), K)
     if fails:
         with pytest.raises(StepFailed):
             inst.apply("load")

@@ -350,6 +350,63 @@ def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
     assert lines == ["STEP 1/2: FROM x"]
 
 
+@pytest.mark.parametrize("after", ["silent", "chatty"])
+def test_a_build_past_image_timeout_is_cut_off(tmp_path: Path, after: str) -> None:
+    """A build that goes silent, or one that never ends, is a PodmanTimedOut (a PodmanError:
+    the instance says BuildFailed and why) at image_timeout, and kvcd hangs up. Without a
+    limit, both would hold the daemon for good."""
+    path = tmp_path / "slow.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+    hung_up = threading.Event()
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.settimeout(10)
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):  # the request and its chunked context
+            data += conn.recv(65536)
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b'{"stream":"make: still compiling\\n"}\n'
+        try:
+            while True:
+                conn.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                while after == "silent":
+                    if conn.recv(1) == b"":
+                        raise ConnectionResetError  # the client hung up
+                time.sleep(0.05)
+        except OSError:
+            pass  # broken pipe: the client hung up
+        hung_up.set()
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Containerfile").write_text("FROM x\n")
+    lines: list[str] = []
+    spec = podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            podtypes.PodmanTimedOut,
+            match=r"build localhost/x:1 .* did not finish within image_timeout = 1 s "
+            r"\(kvcd.toml\): kvcd disconnected",
+        ):
+            Podman(f"unix://{path}", timeout=5, image_timeout=1).build(spec, lines.append)
+        assert time.monotonic() - started >= 1
+        assert hung_up.wait(10), "kvcd did not hang up"
+    finally:
+        thread.join(10)
+        srv.close()
+    assert lines[0] == "make: still compiling"
+
+
 # --- a fake API service, for replies podman cannot give here (no registry is reachable) ----------
 
 
