@@ -70,6 +70,9 @@ STATE_DAMAGED = "StateDamaged"
 HOST_ERROR = "HostError"
 # Another instance holds a module this one lists (kvcd/core/owners.py): one owner per module.
 MODULE_OWNED = "ModuleOwned"
+# The daemon was stopped while a change waited for podman (a build, a pull): what it had done
+# was undone, and the unit's stop went on (kvcd.host.interrupt).
+STOPPED = "Stopped"
 REASONS = (
     CONFIG_INVALID,
     PODMAN_UNAVAILABLE,
@@ -105,6 +108,7 @@ REASONS = (
     UNTRUSTED_SIGNER,
     FIRMWARE_CONFLICT,
     FIRMWARE_PATH,
+    STOPPED,
 )
 
 # Annotations and status lines stay readable; the journal keeps the whole story.

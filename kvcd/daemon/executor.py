@@ -26,7 +26,18 @@ from kvcd.core.state import StepFailed
 from kvcd.core.types import Desired
 from kvcd.daemon import firmware, metrics, signing, store
 from kvcd.daemon.images import Images
-from kvcd.host import failpoint, files, hooks, journal, kmod, modfiles, modtree, procs, sysmodule
+from kvcd.host import (
+    failpoint,
+    files,
+    hooks,
+    interrupt,
+    journal,
+    kmod,
+    modfiles,
+    modtree,
+    procs,
+    sysmodule,
+)
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
@@ -151,6 +162,9 @@ class Executor:
                     raise StepFailed(
                         exc.code, f"{exc.detail} ({undone})", transient=exc.transient
                     ) from exc
+                raise
+            except interrupt.Interrupted:  # a stop cut into a wait for podman
+                self._rollback(attempt)
                 raise
         for phase, seconds in spent.items():
             metrics.observe(phase, seconds)

@@ -22,7 +22,7 @@ from kvcd.core.types import Desired
 from kvcd.daemon.events import Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, Writer, boot_id, recorded_names, writing
-from kvcd.host import files, journal, sysmodule
+from kvcd.host import files, interrupt, journal, sysmodule
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -148,6 +148,10 @@ class Instance:
                 executor.apply(plan)
             except StepFailed as exc:
                 _enter(w, self._holding(about, verb), state.DEGRADED, exc.code, exc.detail)
+                raise
+            except interrupt.Interrupted:  # not Working any more: the stop goes on from here
+                why = f"kvcd@{self.cfg.name} was stopped before this {verb} finished"
+                _enter(w, self._holding(about, verb), state.DEGRADED, state.STOPPED, why)
                 raise
             finally:
                 if self._owns_podman:  # its API connection, not left to the garbage collector

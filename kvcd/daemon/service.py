@@ -2,14 +2,14 @@
 
 Start: reconcile to "loaded", then READY=1 (a transient failure is retried on a back-off timer
 first; the loop serves events meanwhile). Whether a cycle applies, skips or waits is decided in
-one place, from the attempt ledger in the record (kvcd/core/attempts.py).
-SIGHUP (`systemctl reload`, via `kvcd reload`): re-read the config and reconcile again.
-SIGTERM: STOPPING=1, unload unless the instance keeps its modules loaded, exit.
+one place, from the attempt ledger in the record (kvcd/core/attempts.py). SIGHUP (`systemctl
+reload`, via `kvcd reload`): re-read the config and reconcile again. SIGTERM: STOPPING=1,
+unload unless the instance keeps its modules loaded, exit; it cuts into a wait for podman.
 Extensions (kvcd/daemon/events.py) watch the host and the node; their events wake the loop and
 their verdicts may redirect a reconcile (hold on drift, unload when the upgrade label goes away,
 stay idle without the device) or amend its outcome (waiting for links, report to the node).
-The loop sleeps in select() on a signal wakeup fd and the extensions' mailbox: no polling, ~0
-CPU while idle; periodic checks happen only when an extension asks for them."""
+The loop sleeps in select() on a signal wakeup fd and the extensions' mailbox: ~0 CPU while
+idle; periodic checks happen only when an extension asks for them."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, heap, journal, procs, pylibs, regauth
+from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import Keepalive, Notifier
 
@@ -79,8 +79,11 @@ class Service:
     # -- signals ---------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._pending.add(signum)
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            interrupt.request()  # cuts into a wait for podman (a build), nothing else
 
     def _install(self) -> None:
+        interrupt.reset()
         for rs in (self._rsock, self._wsock):
             rs.setblocking(False)
         signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
@@ -185,15 +188,13 @@ class Service:
         )
 
     def _build_line(self, line: str) -> None:
-        """Build output: into the journal, and proof of life that pushes the start timeout out.
-        A build that keeps printing gets EXTEND_TIMEOUT_USEC (at most every 30 s); a silent one
-        still meets the unit's TimeoutStartSec."""
+        """Build output: into the journal, and proof of life (_extend) that pushes the start
+        timeout out; a silent build still meets the unit's TimeoutStartSec."""
         log.info("%s", line.rstrip(), extra=self.fields)
         self._extend()
 
     def _extend(self) -> None:
-        """Proof of life: EXTEND_TIMEOUT_USEC, at most every 30 s (a build's output lines, a
-        stop waiting for a drain)."""
+        """Proof of life: EXTEND_TIMEOUT_USEC at most every 30 s (build output, a drain wait)."""
         now = time.monotonic()
         if now - self._extended >= 30.0:
             self._extended = now
@@ -295,12 +296,9 @@ class Service:
 
     # -- reconcile -------------------------------------------------------------------------------
     def reconcile(self, events: list[Event] | None = None) -> Record | None:
-        """One reconcile: the extensions' verdict (default: load), applied, then amended.
-
-        Returns the final record, or None when the config is invalid or a step failed for good.
-        A transient failure arms the back-off timer (`retry_at`) and returns None; the loop
-        tries again when it ends, serving events meanwhile.
-        """
+        """One reconcile: the extensions' verdict (default: load), applied, then amended. The
+        final record, or None: the config is invalid, a step failed for good, or a transient
+        failure armed the back-off timer (`retry_at`; the loop tries again when it ends)."""
         try:
             # Everything a cycle runs, the after-hooks of a skipped one too (a next-kernel build
             # ahead), may work long: the watchdog is fed from a thread meanwhile.
@@ -451,6 +449,8 @@ class Service:
                 if reload_seq is not None:
                     control.answer_reload(self.root, self.name, reload_seq, record)
                 self._arm_timers()
+        except interrupt.Interrupted:  # stopped while waiting for podman (a build)
+            return self.stop()
         finally:
             signal.set_wakeup_fd(-1)
             self.stop_extensions()

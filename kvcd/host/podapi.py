@@ -2,8 +2,8 @@
 podman-py's low-level ``APIClient``, their timeouts, and their errors typed for the daemon.
 
 A pull, build or image load may take ``image_timeout`` seconds in all (checked at each line of
-its output; a reply silent that long ends it too). Everything else waits at most ``timeout``
-for each reply.
+its output; a reply silent that long ends it too), and a stop may cut into the wait for it
+(kvcd.host.interrupt). Everything else waits at most ``timeout`` for each reply.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import requests
 from podman.api import APIClient
 
+from kvcd.host import interrupt
 from kvcd.host.podtypes import (
     CHUNK,
     DEFAULT_URL,
@@ -30,7 +31,7 @@ C = TypeVar("C", bound="Client")
 
 class Client:
     """The HTTP plumbing to one podman API service: timeouts, the time limit of a pull, build
-    or image load, and typed errors. Cheap to construct;
+    or image load, a stop cutting into a long wait, and typed errors. Cheap to construct;
     connects on first use."""
 
     def __init__(
@@ -79,7 +80,11 @@ class Client:
         (:meth:`_deadline`), the reply may be as slow as ``image_timeout``."""
         kwargs["timeout"] = self.timeout if deadline is None else (self.timeout, self.image_timeout)
         try:
-            resp = getattr(self._api, method)(path, stream=stream, **kwargs)
+            if deadline is None:
+                resp = getattr(self._api, method)(path, stream=stream, **kwargs)
+            else:  # a long wait: a stop may cut in (kvcd.host.interrupt)
+                with interrupt.allowed():
+                    resp = getattr(self._api, method)(path, stream=stream, **kwargs)
         except requests.RequestException as exc:
             # podman-py wraps every OSError of the transport in an APIError without a response.
             self._check(deadline, what, exc)
@@ -119,8 +124,13 @@ class Client:
     ) -> Iterator[dict[str, Any]]:
         """The JSON objects of a streamed reply, one per line, as they arrive, until
         `deadline`."""
+        lines = resp.iter_lines()
         try:
-            for raw in resp.iter_lines():
+            while True:
+                with interrupt.allowed():  # a stop may cut into the wait for the next line
+                    raw = next(lines, None)
+                if raw is None:
+                    return
                 self._check(deadline, what)
                 if not raw:
                     continue

@@ -29,6 +29,7 @@ from kvcdguest import (
     containerfile,
     image_ids,
     module_version,
+    pids_running,
     proc_modules,
     record_timing,
     set_instance,
@@ -341,16 +342,3 @@ def test_g_a_hung_library_function_is_stopped_at_hook_timeout(kvc_files: None) -
     finally:
         settings.write_text(saved)
         sh(["systemctl", "stop", unit], check=False, timeout=600)
-
-
-def pids_running(cmdline: str) -> list[str]:
-    """The pids whose command line is `cmdline` (the guest has no pgrep)."""
-    want = cmdline.replace(" ", "\0").encode() + b"\0"
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == want:
-                found.append(proc.name)
-        except OSError:  # gone meanwhile
-            continue
-    return found

@@ -328,3 +328,16 @@ def set_grub_default(entry_id: str) -> None:
     for d in (Path("/boot/grub2"), Path("/boot/grub")):
         d.mkdir(parents=True, exist_ok=True)
         (d / "grubenv").write_text(block)
+
+
+def pids_running(cmdline: str) -> list[str]:
+    """The pids whose command line is `cmdline` (the guest has no pgrep)."""
+    want = cmdline.replace(" ", "\0").encode() + b"\0"
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == want:
+                found.append(proc.name)
+        except OSError:  # gone meanwhile
+            continue
+    return found

@@ -21,6 +21,9 @@ that the instance converges by itself (no reload, no restart, no force file):
      since when and why -> writable again -> the node says Done at the new version.
 (f6) a read-only /etc -> restart, check-config, reload and a force file all work (kvcd writes
      nothing under /etc).
+(f7) `systemctl stop` of another instance while podman runs its build step -> the stop returns
+     while the step still runs (kvcd hangs up on podman), the unit inactive, its record
+     Degraded Stopped (unload_policy = "never"); not in the table: nothing to recover from.
 
 The seconds from clearing each fault to convergence go to results/timings.txt (fault_*), and
 a table to results/fault-table.md (README's "Faults" section is copied from a CI run).
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -39,6 +43,7 @@ from typing import Any
 
 import pytest
 from kvcdguest import (
+    BASE_IMAGE,
     BUILD_TIMEOUT,
     DRIVER_DIR,
     INSTANCE,
@@ -52,6 +57,7 @@ from kvcdguest import (
     kvcd_status,
     module_version,
     not_yet,
+    pids_running,
     proc_modules,
     record_timing,
     set_instance,
@@ -394,6 +400,39 @@ def test_f6_read_only_etc() -> None:
     finally:
         subprocess.run(["umount", "/etc"], check=False)
     TABLE.append(("read_only_etc", "/etc read-only", "nothing (kvcd writes nothing in /etc)", 0.0))
+
+
+def test_f7_a_stop_during_a_build_does_not_wait_for_it() -> None:
+    """`systemctl stop` while podman runs a build step: the stop cuts into kvcd's wait and
+    ends while the step still runs (it waited for the build before, up to TimeoutStopSec=),
+    the unit is inactive, not failed, and under unload_policy = "never" the record says
+    Stopped. The step is podman's, which abandons the build once it ends."""
+    name, step = "e2e-slow", "sleep 600.5"  # a command line nothing else runs
+    ctx = Path("/var/lib/kvcd-e2e/slow-build")
+    ctx.mkdir(parents=True, exist_ok=True)
+    (ctx / "Containerfile").write_text(f"FROM {BASE_IMAGE}\nRUN {step}\n")
+    conf = Path(f"/etc/kvcd/instances/{name}.toml")
+    conf.write_text(
+        'version = "1.0"\nmodules = ["kvcd_slow"]\nunload_policy = "never"\n\n'
+        f'[build]\ncontext = "{ctx}"\n'
+    )
+    unit = f"kvcd@{name}.service"
+    try:
+        sh(["systemctl", "start", "--no-block", unit])
+        wait_for(lambda: pids_running(step), BUILD_TIMEOUT, "the build step to run")
+        t0 = time.monotonic()
+        sh(["systemctl", "stop", unit], timeout=600)
+        record_timing("fault_stop_during_build", time.monotonic() - t0)
+        assert unit_prop("ActiveState", unit) == "inactive", unit_prop("Result", unit)
+        assert pids_running(step), "the stop waited for the build step to end"
+        st = kvcd_status(name)
+        assert st and (st.get("state"), st.get("code")) == ("Degraded", "Stopped"), st
+    finally:
+        sh(["systemctl", "stop", unit], check=False, timeout=600)
+        for pid in pids_running(step):  # the test's own step: the build fails at once
+            os.kill(int(pid), signal.SIGKILL)
+        sh(["kvcd", "purge", name], check=False, timeout=600)
+        conf.unlink(missing_ok=True)
 
 
 def write_table() -> None:
