@@ -22,6 +22,7 @@ import pytest
 
 from kvcd.host.paths import HostRoot
 from tests import fakehost
+from tests.fakeapi import QuietHandler, serving
 
 pytestmark = pytest.mark.integration
 
@@ -203,77 +204,43 @@ def test_sigterm_during_backoff_exits_promptly(daemon: Daemon, tmp_path: Path) -
     assert time.monotonic() - t0 < 10
 
 
-class SlowBuildAPI:
-    """A podman API service on a unix socket whose every image is missing and whose build
-    prints one line, then stays silent (a long compile step) until its client hangs up."""
+class SlowBuild(QuietHandler):
+    """A podman API service whose every image is missing, and whose build prints one line,
+    then stays silent (a long compile step) until its client hangs up."""
 
-    def __init__(self, path: Path) -> None:
-        import socketserver
-        from http.server import BaseHTTPRequestHandler
+    building = threading.Event()
+    hung_up = threading.Event()
 
-        self.path = path
-        self.building = threading.Event()
-        self.hung_up = threading.Event()
-        api = self
+    def do_GET(self) -> None:
+        if self.path.split("?")[0].endswith("/images/json"):
+            self.reply(200, b"[]")
+        else:
+            self.reply(404, b'{"message": "no such image"}')
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
+    def do_POST(self) -> None:
+        while True:  # the chunked context, to its last chunk
+            size = int(self.rfile.readline().strip() or b"0", 16)
+            self.rfile.read(size + 2)
+            if size == 0:
+                break
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        line = b'{"stream": "STEP 1/2: RUN make\\n"}\n'
+        self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+        self.wfile.flush()
+        SlowBuild.building.set()
+        self.connection.settimeout(120)
+        try:
+            while self.connection.recv(1):
                 pass
-
-            def address_string(self) -> str:
-                return "fake"
-
-            def do_GET(self) -> None:
-                found = self.path.split("?")[0] == "/v4.0.0/libpod/images/json"
-                body = (
-                    b"[]"
-                    if found or self.path.endswith("/images/json")
-                    else b'{"message": "no such image"}'
-                )
-                self.send_response(200 if body == b"[]" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:
-                while True:  # the chunked context, to its last chunk
-                    size = int(self.rfile.readline().strip() or b"0", 16)
-                    self.rfile.read(size + 2)
-                    if size == 0:
-                        break
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                line = b'{"stream": "STEP 1/2: RUN make\\n"}\n'
-                self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                self.wfile.flush()
-                api.building.set()
-                self.connection.settimeout(120)
-                try:
-                    while self.connection.recv(1):
-                        pass
-                except TimeoutError:
-                    return
-                except OSError:
-                    pass  # reset: hung up too
-                api.hung_up.set()
-                self.close_connection = True
-
-            do_DELETE = do_GET
-
-        class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-            daemon_threads = True
-
-        self.server = Server(str(path), Handler)
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        except TimeoutError:
+            return
+        except OSError:
+            pass  # reset: hung up too
+        SlowBuild.hung_up.set()
+        self.close_connection = True
 
 
 @pytest.mark.parametrize(
@@ -289,26 +256,24 @@ def test_sigterm_during_a_build_stops_at_once(
     """`systemctl stop` during a build: the stop cuts into the wait for podman (before, it
     waited for the build, or for TimeoutStopSec= and SIGKILL). kvcd hangs up, so podman
     abandons the build; nothing is loaded; the stop goes on by the unload policy."""
-    api = SlowBuildAPI(tmp_path / "podman.sock")
-    try:
-        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(
-            f'podman_socket = "unix://{api.path}"\n'
-        )
+    sock = tmp_path / "podman.sock"
+    SlowBuild.building.clear()
+    SlowBuild.hung_up.clear()
+    with serving(sock, SlowBuild):
+        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(f'podman_socket = "unix://{sock}"\n')
         ctx = tmp_path / "ctx"
         ctx.mkdir()
         (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
         text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
         fakehost.write_config(daemon.root, "e2e", f'unload_policy = "{policy}"\n' + text)
         daemon.start()
-        assert api.building.wait(60), daemon.stderr_path.read_text()[-3000:]
+        assert SlowBuild.building.wait(60), daemon.stderr_path.read_text()[-3000:]
         t0 = time.monotonic()
         daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
         assert time.monotonic() - t0 < 30, time.monotonic() - t0
-        assert api.hung_up.wait(10), "kvcd did not hang up on the build"
-        assert not (daemon.root.sys_module / "kvcd_base").exists()
-        st = daemon.status()
-        assert (st["state"], st["reason"]) == (state, reason), st
-        assert "STOPPING=1" in "".join(daemon.messages)
-    finally:
-        api.close()
+        assert SlowBuild.hung_up.wait(10), "kvcd did not hang up on the build"
+    assert not (daemon.root.sys_module / "kvcd_base").exists()
+    st = daemon.status()
+    assert (st["state"], st["reason"]) == (state, reason), st
+    assert "STOPPING=1" in "".join(daemon.messages)

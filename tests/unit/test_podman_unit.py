@@ -7,7 +7,8 @@ import socket
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvcd.host.podbuild import context_kind
 from kvcd.host.podman import Podman
 from kvcd.host.podtypes import INSTANCE_LABEL, ImageInfo, PodmanError, PodmanUnavailable
 from kvcd.host.tarstream import extract_members, tar_directory
+from tests.fakeapi import QuietHandler, serving
 
 
 def make_tar(*members: tuple[str, bytes | None, bytes, str]) -> io.BytesIO:
@@ -312,41 +314,57 @@ def test_silent_service_times_out_as_unavailable(
     assert time.monotonic() - started < 3
 
 
-def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
-    path = tmp_path / "cut.sock"
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def chunk(line: bytes) -> bytes:
+    return f"{len(line):x}\r\n".encode() + line + b"\r\n"
+
+
+@contextmanager
+def one_build(
+    tmp_path: Path, answer: Callable[[socket.socket], None]
+) -> Iterator[tuple[str, podtypes.BuildSpec]]:
+    """A podman API socket that takes one build request (to its last context chunk) and hands
+    the connection to `answer`; the URL and a build spec for it."""
+    path = tmp_path / "build.sock"
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(path))
     srv.listen(1)
 
     def serve() -> None:
         conn, _ = srv.accept()
-        conn.settimeout(5)
+        conn.settimeout(10)
         data = b""
-        while b"\r\n\r\n" not in data:
+        while not data.endswith(b"0\r\n\r\n"):  # the request and its chunked context
             data += conn.recv(65536)
-        # Drain the (chunked) body up to its terminating chunk before answering.
-        while not data.endswith(b"0\r\n\r\n"):
-            data += conn.recv(65536)
-        chunk = b'{"stream":"STEP 1/2: FROM x\\n"}\n'
-        conn.sendall(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
-        )
-        conn.close()  # gone without the terminating chunk
+        try:
+            answer(conn)
+        finally:
+            conn.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     ctx = tmp_path / "ctx"
     ctx.mkdir()
     (ctx / "Containerfile").write_text("FROM x\n")
-    lines: list[str] = []
-    spec = podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
     try:
-        with pytest.raises(PodmanUnavailable, match="build localhost/x:1"):
-            Podman(f"unix://{path}", timeout=5).build(spec, lines.append)
+        yield f"unix://{path}", podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
     finally:
-        thread.join(5)
+        thread.join(10)
         srv.close()
+
+
+def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
+    def cut(conn: socket.socket) -> None:  # gone without the terminating chunk
+        conn.sendall(HEAD + chunk(b'{"stream":"STEP 1/2: FROM x\\n"}\n'))
+
+    lines: list[str] = []
+    with (
+        one_build(tmp_path, cut) as (url, spec),
+        pytest.raises(PodmanUnavailable, match="build localhost/x:1"),
+    ):
+        Podman(url, timeout=5).build(spec, lines.append)
     assert lines == ["STEP 1/2: FROM x"]
 
 
@@ -355,55 +373,31 @@ def test_a_build_past_image_timeout_is_cut_off(tmp_path: Path, after: str) -> No
     """A build that goes silent, or one that never ends, is a PodmanTimedOut (a PodmanError:
     the instance says BuildFailed and why) at image_timeout, and kvcd hangs up. Without a
     limit, both would hold the daemon for good."""
-    path = tmp_path / "slow.sock"
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(str(path))
-    srv.listen(1)
     hung_up = threading.Event()
 
-    def serve() -> None:
-        conn, _ = srv.accept()
-        conn.settimeout(10)
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):  # the request and its chunked context
-            data += conn.recv(65536)
-        conn.sendall(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
-        chunk = b'{"stream":"make: still compiling\\n"}\n'
+    def slow(conn: socket.socket) -> None:
+        conn.sendall(HEAD)
         try:
             while True:
-                conn.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                conn.sendall(chunk(b'{"stream":"make: still compiling\\n"}\n'))
                 while after == "silent":
                     if conn.recv(1) == b"":
                         raise ConnectionResetError  # the client hung up
                 time.sleep(0.05)
         except OSError:
-            pass  # broken pipe: the client hung up
-        hung_up.set()
-        conn.close()
+            hung_up.set()  # reset, or a broken pipe: the client hung up
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "Containerfile").write_text("FROM x\n")
     lines: list[str] = []
-    spec = podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
     started = time.monotonic()
-    try:
+    with one_build(tmp_path, slow) as (url, spec):
         with pytest.raises(
             podtypes.PodmanTimedOut,
             match=r"build localhost/x:1 .* did not finish within image_timeout = 1 s "
             r"\(kvcd.toml\): kvcd disconnected",
         ):
-            Podman(f"unix://{path}", timeout=5, image_timeout=1).build(spec, lines.append)
+            Podman(url, timeout=5, image_timeout=1).build(spec, lines.append)
         assert time.monotonic() - started >= 1
         assert hung_up.wait(10), "kvcd did not hang up"
-    finally:
-        thread.join(10)
-        srv.close()
     assert lines[0] == "make: still compiling"
 
 
@@ -426,21 +420,11 @@ class FakeAPI:
 @pytest.fixture
 def fake_api(tmp_path: Path) -> Iterator[FakeAPI]:
     import json
-    import socketserver
-    from http.server import BaseHTTPRequestHandler
     from urllib.parse import parse_qs, urlsplit
 
     api = FakeAPI(tmp_path / "fake.sock")
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def address_string(self) -> str:
-            return "fake"
-
+    class Handler(QuietHandler):
         def handle_any(self) -> None:
             url = urlsplit(self.path)
             length = int(self.headers.get("Content-Length") or 0)
@@ -455,26 +439,12 @@ def fake_api(tmp_path: Path) -> Iterator[FakeAPI]:
                 ),
                 (404, [{"message": "no route", "cause": "fake"}]),
             )
-            body = b"".join(json.dumps(o).encode() + b"\n" for o in objects)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(status, b"".join(json.dumps(o).encode() + b"\n" for o in objects))
 
         do_GET = do_POST = do_DELETE = handle_any
 
-    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-        daemon_threads = True
-
-    server = Server(str(api.path), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+    with serving(api.path, Handler):
         yield api
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 IMAGE_ID = "f" * 64
