@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import journal
+from kvcd.host import interrupt, journal
 from kvcd.host import run as runmod
 
 
@@ -103,3 +103,11 @@ def _drop_kvcd_log_handler() -> Iterator[None]:
     for h in [h for h in root.handlers if h.get_name() == journal.HANDLER_NAME]:
         root.removeHandler(h)
         h.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_left_asked_for() -> Iterator[None]:
+    """A test that signals a Service in this process (SIGTERM to its handler) leaves a stop
+    asked for (kvcd.host.interrupt); the next test's podman waits must not see it."""
+    yield
+    interrupt.reset()

@@ -453,6 +453,7 @@ class Service:
             return self.stop()
         finally:
             signal.set_wakeup_fd(-1)
+            interrupt.reset()  # taken: nothing of this daemon is waited for any more
             self.stop_extensions()
             with contextlib.suppress(FileNotFoundError):
                 self.root.pid_file(self.name).unlink()
