@@ -206,9 +206,10 @@ class Settings:
     # TimeoutStartSec=30min, so a hung first start ends with its reason written down.
     hook_timeout: float = 1200.0
     # Seconds a pull, build or image load through podman may take before kvcd disconnects and
-    # its instance goes Degraded (PullFailed, BuildFailed, ImportFailed); below
-    # TimeoutStartSec=30min for the same reason.
-    image_timeout: float = 1200.0
+    # its instance goes Degraded (PullFailed, BuildFailed, ImportFailed). Generous: a big
+    # driver's build on a small node may take tens of minutes, and a build that prints goes on
+    # pushing the unit's start timeout out (EXTEND_TIMEOUT_USEC).
+    image_timeout: float = 3600.0
 
 
 def is_kvcd_tag(ref: str) -> bool:

@@ -21,7 +21,7 @@ BASE = 'version = "1.0"\nmodules = ["m"]\nimage = "quay.io/x:{kernel}"\n'
         ("hook_timeout = 90\n", "hook_timeout", 90.0),
         ("", "hook_timeout", 1200.0),
         ("image_timeout = 3600\n", "image_timeout", 3600.0),
-        ("", "image_timeout", 1200.0),
+        ("", "image_timeout", 3600.0),
         ('module_tree = "system"\n', "module_tree", "system"),
         ("", "module_tree", "kvcd"),
     ],
