@@ -163,7 +163,7 @@ class Executor:
                         exc.code, f"{exc.detail} ({undone})", transient=exc.transient
                     ) from exc
                 raise
-            except interrupt.Interrupted:  # a stop cut into a wait for podman
+            except (interrupt.Interrupted, KeyboardInterrupt):  # a stop, or ^C of a verb
                 self._rollback(attempt)
                 raise
         for phase, seconds in spent.items():

@@ -149,8 +149,8 @@ class Instance:
             except StepFailed as exc:
                 _enter(w, self._holding(about, verb), state.DEGRADED, exc.code, exc.detail)
                 raise
-            except interrupt.Interrupted:  # not Working any more: the stop goes on from here
-                why = f"kvcd@{self.cfg.name} was stopped before this {verb} finished"
+            except (interrupt.Interrupted, KeyboardInterrupt):  # a stop, or ^C of a verb
+                why = f"stopped before this {verb} finished"  # not Working any more
                 _enter(w, self._holding(about, verb), state.DEGRADED, state.STOPPED, why)
                 raise
             finally:
@@ -306,10 +306,11 @@ def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
 
 
 def held_modules(root: HostRoot) -> dict[str, list[str]]:
-    """Each instance's modules it holds now, in this boot, with the goal loaded: all of them
-    while it loads them (Working), else those it loaded itself (`held`) that are in the
-    kernel. A record of an earlier boot, or one that cannot be read, holds nothing here (its
-    own daemon sets a damaged one aside and says so)."""
+    """Each instance's modules it holds now, in this boot: all of them while it loads them
+    (Working, goal loaded), else those it loaded itself and has not unloaded (`held`) that
+    are in the kernel, whatever it does meanwhile (a build, an unload refused or under way).
+    A record of an earlier boot, or one that cannot be read, holds nothing here (its own
+    daemon sets a damaged one aside and says so)."""
     out: dict[str, list[str]] = {}
     boot = boot_id(root)
     for other in recorded_names(root):
@@ -317,14 +318,14 @@ def held_modules(root: HostRoot) -> dict[str, list[str]]:
             rec = Record.load(root, other)
         except OSError:
             continue
-        if rec is None or rec.goal != "loaded":
+        if rec is None or (boot is not None and rec.boot_id not in (None, boot)):
             continue
-        if boot is not None and rec.boot_id is not None and rec.boot_id != boot:
-            continue
-        if rec.state == state.WORKING:
+        if rec.state == state.WORKING and rec.goal == "loaded":
             held = rec.modules
         else:
-            mods = rec.modules if rec.held is None else rec.held  # None: an earlier kvcd's
+            mods = rec.held
+            if mods is None:  # an earlier kvcd's record, which owned its modules while loaded
+                mods = rec.modules if rec.goal == "loaded" else []
             held = [m for m in mods if sysmodule.read_module(root, m) is not None]
         if held:
             out[other] = held

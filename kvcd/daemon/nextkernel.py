@@ -36,6 +36,7 @@ from kvcd.daemon.record import Record, writing
 from kvcd.host import bootloader, files, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.inhibit import InhibitError, Inhibitor
+from kvcd.host.interrupt import Interrupted
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -328,6 +329,10 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
+        except Interrupted:  # the daemon stops: the record must not go on saying "preparing"
+            why = "stopped before preparing finished; the next start prepares it again"
+            self.write(ctx, record, Outcome(nb.kernel, FAILED, why))
+            raise
         if fresh and outcome.state == READY:
             metrics.observe(NEXT_KERNEL, time.monotonic() - t0)
         outcome = _mid_upgrade(ctx, record, outcome)

@@ -247,7 +247,7 @@ class SlowBuild(QuietHandler):
     ("policy", "state", "reason"),
     [
         ("if-idle", "Done", ""),
-        ("never", "Degraded", "Stopped: kvcd@e2e was stopped before this load finished"),
+        ("never", "Degraded", "Stopped: stopped before this load finished"),
     ],
 )
 def test_sigterm_during_a_build_stops_at_once(

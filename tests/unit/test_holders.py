@@ -43,6 +43,28 @@ def named(root: HostRoot, name: str) -> Instance:
         pytest.param({"state": "Degraded", "held": []}, "ab", [], id="failed-start-rolled-back"),
         pytest.param({"state": "Working", "held": []}, "", ["a", "b"], id="working-claims-all"),
         pytest.param({"state": "Done", "goal": "unloaded", "held": []}, "ab", [], id="unloaded"),
+        pytest.param(
+            {"state": "Done", "goal": "built", "held": ["a", "b"]},
+            "ab",
+            ["a", "b"],
+            id="built-keeps-its-own",
+        ),
+        pytest.param(
+            {"state": "Working", "goal": "unloaded", "held": ["a", "b"]},
+            "ab",
+            ["a", "b"],
+            id="unloading",
+        ),
+        pytest.param(
+            {"state": "Degraded", "goal": "unloaded", "held": ["a"]},
+            "ab",
+            ["a"],
+            id="unload-refused",
+        ),
+        pytest.param(
+            {"state": "Working", "goal": "built", "held": []}, "", [], id="building-holds-none"
+        ),
+        pytest.param({"state": "Done", "goal": "unloaded"}, "ab", [], id="earlier-kvcd-unloaded"),
         pytest.param({"state": "Done"}, "ab", ["a", "b"], id="earlier-kvcd-no-held"),
         pytest.param({"state": "Done"}, "", [], id="earlier-kvcd-not-in-kernel"),
         pytest.param(
@@ -84,6 +106,20 @@ def test_a_failed_first_start_holds_nothing_so_another_instance_can_take_its_mod
     with pytest.raises(StepFailed) as err:
         named(host, "x").apply("load")
     assert err.value.code == state.MODULE_OWNED
+
+
+def test_a_build_does_not_give_up_the_modules_it_holds(host: HostRoot) -> None:
+    """x is loaded; `kvcd build x` (the next version's image) sets its goal to "built". x
+    still holds its modules: another instance listing them is refused, not let unload them."""
+    named(host, "x").apply("load")
+    newer = dataclasses.replace(config(host, "2.0"), name="x")
+    Instance(host, Settings(), newer, K, podman=lambda: FakePodman(host, K)).apply("build")
+    assert Record.read(host, "x").goal == "built"  # type: ignore[union-attr]
+    assert held_modules(host) == {"x": ["kvcd_base", "kvcd_user"]}
+    with pytest.raises(StepFailed) as err:
+        named(host, "other").apply("unload")
+    assert err.value.code == state.MODULE_OWNED
+    assert (host.sys_module / "kvcd_base").is_dir()
 
 
 def test_a_failed_rollback_still_holds_what_it_left_loaded(host: HostRoot) -> None:

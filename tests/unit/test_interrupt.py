@@ -72,6 +72,11 @@ class StoppedBuild(FakePodman):
         raise Interrupted
 
 
+class CtrlC(FakePodman):
+    def build(self, spec: object, on_line: object) -> object:
+        raise KeyboardInterrupt
+
+
 def test_a_reload_stopped_during_its_build_keeps_what_is_loaded_and_says_so(
     host: HostRoot,
 ) -> None:
@@ -82,7 +87,7 @@ def test_a_reload_stopped_during_its_build_keeps_what_is_loaded_and_says_so(
         instance(host, StoppedBuild(host, "6.1.0-56-amd64"), "2.0").apply("load")
     rec = Record.read(host, "e2e")
     assert rec is not None and (rec.state, rec.code) == (state.DEGRADED, state.STOPPED)
-    assert rec.detail == "kvcd@e2e was stopped before this load finished"
+    assert rec.detail == "stopped before this load finished"
     assert held_modules(host) == {"e2e": ["kvcd_base", "kvcd_user"]}
     assert (host.sys_module / "kvcd_user").is_dir()
 
@@ -92,4 +97,14 @@ def test_a_first_start_stopped_during_its_build_holds_nothing(host: HostRoot) ->
         instance(host, StoppedBuild(host, "6.1.0-56-amd64")).apply("load")
     rec = Record.read(host, "e2e")
     assert rec is not None and rec.code == state.STOPPED and rec.held == []
+    assert held_modules(host) == {}
+
+
+def test_a_one_shot_verb_interrupted_with_ctrl_c_leaves_no_working_claim(host: HostRoot) -> None:
+    """`kvcd load` (no daemon, no handler) and ^C during its build: the record says Stopped,
+    not Working, which would claim its modules for the rest of the boot."""
+    with pytest.raises(KeyboardInterrupt):
+        instance(host, CtrlC(host, "6.1.0-56-amd64")).apply("load")
+    rec = Record.read(host, "e2e")
+    assert rec is not None and (rec.state, rec.code) == (state.DEGRADED, state.STOPPED)
     assert held_modules(host) == {}

@@ -679,6 +679,36 @@ def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
     assert rollback.is_dir()
 
 
+def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM cuts into the next kernel's build (kvcd.host.interrupt): the daemon stops, and
+    the record says why the next kernel is not ready, not "preparing" for as long as the unit
+    is stopped."""
+    from kvcd.host.interrupt import Interrupted
+
+    running_extraction(host)
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
+
+    class Stopped(FakePodman):
+        def build(self, spec: Any, on_line: Any) -> Any:
+            raise Interrupted
+
+    ext = NextKernel(
+        Settings(), detector=lambda _r: next_boot(host, B), podman=lambda: Stopped(host, B)
+    )
+    ctx, _ = context(host, config(host))
+    ext.start(ctx)
+    record(host)
+    with pytest.raises(Interrupted):
+        ext.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, FAILED)
+    assert saved.next_kernel_reason == (
+        "stopped before preparing finished; the next start prepares it again"
+    )
+
+
 def test_extension_cleans_up_after_a_kernel_is_removed(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
