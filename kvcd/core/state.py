@@ -70,8 +70,8 @@ STATE_DAMAGED = "StateDamaged"
 HOST_ERROR = "HostError"
 # Another instance holds a module this one lists (kvcd/core/owners.py): one owner per module.
 MODULE_OWNED = "ModuleOwned"
-# The daemon was stopped while a change waited for podman (a build, a pull): what it had done
-# was undone, and the unit's stop went on (kvcd.host.interrupt).
+# A change was stopped before it finished: the daemon's stop cut into a wait for podman (a
+# build, a pull; kvcd.host.interrupt), or ^C a one-shot verb. What it had done was undone.
 STOPPED = "Stopped"
 REASONS = (
     CONFIG_INVALID,
