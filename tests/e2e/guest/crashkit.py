@@ -25,7 +25,16 @@ from kvcdguest import (
 
 # In /run: gone after a reset, so a point armed before one never fires again after it.
 TOKEN = Path("/run/kvcd-e2e-crash-token")
-DROPIN = Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf")
+# The point's variables, read by systemd at each start of the unit (EnvironmentFile=): arming
+# another point rewrites this file, not a unit file, so it needs no daemon-reload (~10 s under
+# TCG each). In /run as well: a reset forgets it.
+ENV_FILE = Path("/run/kvcd-e2e-failpoint.env")
+# The drop-in that reads it, installed once per scenario file: in /run for SIGKILL; in /etc for
+# a reset, whose boots must keep it (ProtectKernelTunables=no lets kvcd write sysrq-trigger).
+DROPINS = {
+    "kill": Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf"),
+    "reset": Path(f"/etc/systemd/system/{UNIT}.d/70-e2e-crash.conf"),
+}
 STATE = Path("/var/lib/kvcd")
 RUNTIME = Path("/run/kvcd")
 # Versions the host compiled for the guest kernel (run-guest.sh): each start-time point
@@ -35,40 +44,51 @@ VERSIONS = ("2.0", "3.0")
 KVER1 = (PAYLOAD / "kver").read_text().strip()
 
 
-def arm(point: str, delay: float, action: str = "kill") -> None:
-    """The drop-in names the point; the token (created by the trigger) makes it fire once.
-    action "reset": the machine resets there (kvcd must be let write /proc/sysrq-trigger)."""
-    TOKEN.unlink(missing_ok=True)
-    DROPIN.parent.mkdir(parents=True, exist_ok=True)
-    DROPIN.write_text(
-        "[Service]\n"
-        f'Environment="KVCD_FAILPOINT={point}" "KVCD_FAILPOINT_TOKEN={TOKEN}" '
-        f'"KVCD_FAILPOINT_DELAY={delay}" "KVCD_FAILPOINT_ACTION={action}"\n'
-        "RestartSec=1s\n" + ("ProtectKernelTunables=no\n" if action == "reset" else "")
+def _dropin_text(action: str) -> str:
+    return f"[Service]\nEnvironmentFile=-{ENV_FILE}\nRestartSec=1s\n" + (
+        "ProtectKernelTunables=no\n" if action == "reset" else ""
     )
-    sh(["systemctl", "daemon-reload"])
+
+
+def arm(point: str, delay: float, action: str = "kill") -> None:
+    """The environment file names the point; the token (created by the trigger) makes it fire
+    once. action "reset": the machine resets there. The drop-in that reads the file is written
+    (and systemd reloaded) only when it is not in place yet."""
+    TOKEN.unlink(missing_ok=True)
+    dropin, text = DROPINS[action], _dropin_text(action)
+    ENV_FILE.write_text(
+        f"KVCD_FAILPOINT={point}\nKVCD_FAILPOINT_TOKEN={TOKEN}\n"
+        f"KVCD_FAILPOINT_DELAY={delay}\nKVCD_FAILPOINT_ACTION={action}\n"
+    )
+    if not dropin.exists() or dropin.read_text() != text:
+        dropin.parent.mkdir(parents=True, exist_ok=True)
+        dropin.write_text(text)
+        sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "reset-failed", UNIT], check=False)
 
 
 def disarm(reload: bool = True) -> None:
-    """Without the token the point never fires (failpoint.hit), so between points the drop-in
-    may stay loaded (reload=False saves a daemon-reload, ~10 s under TCG, per point); the
-    scenario's teardown reloads once."""
+    """Without the token, or the environment file, the point never fires (failpoint.hit), so
+    between points the drop-in stays (reload=False); the scenario's teardown removes it and
+    reloads once."""
     TOKEN.unlink(missing_ok=True)
-    if DROPIN.exists():
-        DROPIN.unlink()
-        if reload:
-            sh(["systemctl", "daemon-reload"])
+    ENV_FILE.unlink(missing_ok=True)
+    if reload and any(d.exists() for d in DROPINS.values()):
+        for dropin in DROPINS.values():
+            dropin.unlink(missing_ok=True)
+        sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "reset-failed", UNIT], check=False)
 
 
-def upgrade_from_scratch(current: str) -> str:
-    """Stopped, configured for the other version, whose image and extracted tree are gone: the
-    next start builds, extracts, runs depmod and loads, passing every start-time point.
-    Returns the version it is configured for now."""
+def upgrade_from_scratch(current: str, *, build: bool = False) -> str:
+    """Stopped, configured for the other version, whose extracted tree is gone: the next start
+    extracts, runs depmod and loads, passing every start-time point after the build. build:
+    its image is gone too, and the start builds it first (the build point). Returns the
+    version it is configured for now."""
     target = VERSIONS[0] if current == VERSIONS[1] else VERSIONS[1]
     sh(["systemctl", "stop", UNIT], timeout=600)
-    sh(["podman", "rmi", "--force", f"localhost/kvcd/{INSTANCE}/{target}:{KVER1}"], check=False)
+    if build:
+        sh(["podman", "rmi", "--force", f"localhost/kvcd/{INSTANCE}/{target}:{KVER1}"], check=False)
     for tree in (STATE / "store" / INSTANCE / target).glob("*"):
         sh(["rm", "-rf", str(tree)])
     set_instance(version=target, **{"build.containerfile": containerfile(target)})

@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from crashkit import upgrade_from_scratch
 from kvcdguest import (
     BUILD_TIMEOUT,
     INSTANCE,
@@ -31,11 +32,9 @@ from kvcdguest import (
     STATE_DIR,
     UNIT,
     configured_version,
-    containerfile,
     kvcd_status,
     proc_modules,
     request_reboot,
-    set_instance,
     sh,
     state_is,
     wait_for,
@@ -79,14 +78,9 @@ def settings(signing: bool) -> None:
 def switch_version() -> str:
     """Stopped, moved to the other prebuilt version with its extracted trees removed, so the next
     start extracts (from the cached image, or a quick build of prebuilt modules): the only way to
-    a fresh extraction that is not drift (kvcd keeps the active tree as it left it). As
-    crashkit.upgrade_from_scratch, without removing the image."""
-    target = "3.0" if configured_version() == "2.0" else "2.0"
-    sh(["systemctl", "stop", UNIT], timeout=600)
+    a fresh extraction that is not drift (kvcd keeps the active tree as it left it)."""
+    target = upgrade_from_scratch(configured_version())
     sh(["systemctl", "reset-failed", UNIT], check=False)
-    for tree in (STORE / target).glob("*"):
-        sh(["rm", "-rf", str(tree)])
-    set_instance(version=target, **{"build.containerfile": containerfile(target)})
     return target
 
 
