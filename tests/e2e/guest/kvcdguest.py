@@ -160,6 +160,17 @@ def never_recorded(instance: str = INSTANCE) -> bool:
     )
 
 
+def noted(kind: str, instance: str = INSTANCE) -> dict[str, Any]:
+    """A note the daemon keeps beside its record for `kvcd status` (/run/kvcd/<instance>.<kind>
+    .json: drift, links, node), read as `recorded` reads the record: a cheap "not yet" while
+    waiting. {} when there is none or it does not parse."""
+    try:
+        data = json.loads((UNSAVED / f"{instance}.{kind}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 # What `kvcd status --json` says of an instance without a record (kvcd/daemon/status.py).
 NEVER_STARTED = {"state": "Unknown", "code": "", "detail": "never started"}
 
@@ -189,6 +200,25 @@ def state_is(*states: str, instance: str = INSTANCE) -> Callable[[], dict[str, A
         return st if st and st.get("state") in states else None
 
     return pred
+
+
+def running_and_done(timeout: float, instance: str = INSTANCE) -> dict[str, Any]:
+    """The unit active and its instance Done with its modules loaded; restarted when it is not.
+    The record is asked first, so the usual case costs one `kvcd status` (seconds of the
+    guest's one vCPU under TCG), which then confirms it."""
+    unit = f"kvcd@{instance}.service"
+    if active(unit) and not not_yet(instance, state="Done", goal="loaded"):
+        st = kvcd_status(instance)
+        if st and (st.get("state"), st.get("goal")) == ("Done", "loaded"):
+            return st
+    sh(["systemctl", "reset-failed", unit], check=False)
+    sh(["systemctl", "restart", unit], timeout=timeout)
+    return wait_for(state_is("Done", instance=instance), timeout, f"{instance} Done")
+
+
+def record_or_status(instance: str = INSTANCE) -> dict[str, Any] | None:
+    """What the record says, or `kvcd status` when the record cannot tell (recorded)."""
+    return recorded(instance) or kvcd_status(instance)
 
 
 def set_instance(path: Path = INSTANCE_FILE, **values: Any) -> None:

@@ -30,7 +30,9 @@ from kvcdguest import (
     UNIT,
     kvcd_status,
     proc_modules,
+    record_or_status,
     record_timing,
+    running_and_done,
     sh,
     state_is,
     wait_for,
@@ -75,13 +77,9 @@ def settle_done() -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _done_before_and_after() -> Iterator[None]:
     # Running, Done and loaded: the core step ends with the unit stopped (Done, goal unloaded).
-    st = kvcd_status()
-    active = sh(["systemctl", "is-active", UNIT], check=False).stdout.strip() == "active"
-    if not active or not st or (st.get("state"), st.get("goal")) != ("Done", "loaded"):
-        sh(["systemctl", "restart", UNIT], timeout=900)
-    settle_done()
+    running_and_done(900)
     yield
-    st = kvcd_status()
+    st = record_or_status()
     if st and st.get("state") == "Degraded" and st.get("reason", "").startswith("Drift:"):
         # A failed test left its edit behind: put kvcd's files back for the files after this one.
         FORCE.write_text("")
