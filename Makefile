@@ -83,7 +83,7 @@ rpm: setup
 # guest with the reset and signing reboots. The guest without core builds e2e-kmod from the
 # host's prebuilt modules (tests/e2e/guest/install.sh).
 # faulthandler_timeout=0: the guest boot is one long fixture, bounded by qemu's own timeout.
-E2E_SHARDS ?= core scenarios_devices scenarios_drift scenarios_faults scenarios_firmware scenarios_purge scenarios_systemd scenarios_systemtree reboot_nextkernel | scenarios_gate scenarios_node scenarios_perf scenarios_registry scenarios_restart scenarios_rpm_erase reboot_reset reboot_signing
+E2E_SHARDS ?= core scenarios_devices scenarios_drift scenarios_faults scenarios_firmware scenarios_systemd scenarios_systemtree reboot_nextkernel | scenarios_gate scenarios_node scenarios_perf scenarios_purge scenarios_registry scenarios_restart scenarios_rpm_erase reboot_reset reboot_signing
 e2e: setup e2e-harness
 	KVCD_E2E_MODE=e2e KVCD_E2E_SHARDS="$(E2E_SHARDS)" $(PYTHON) -m pytest -o faulthandler_timeout=0 -m e2e tests/e2e
 
