@@ -207,8 +207,9 @@ class Settings:
     hook_timeout: float = 1200.0
     # Seconds a pull, build or image load through podman may take before kvcd disconnects and
     # its instance goes Degraded (PullFailed, BuildFailed, ImportFailed). Generous: a big
-    # driver's build on a small node may take tens of minutes, and a build that prints goes on
-    # pushing the unit's start timeout out (EXTEND_TIMEOUT_USEC).
+    # driver's build on a small node may take tens of minutes. While kvcd waits for podman it
+    # pushes the unit's start timeout out (EXTEND_TIMEOUT_USEC, kvcd.host.systemd.Keepalive),
+    # so this limit, which kvcd explains, ends the wait, not systemd's kill.
     image_timeout: float = 3600.0
 
 

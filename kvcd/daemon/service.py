@@ -35,12 +35,9 @@ from kvcd.daemon.record import Record
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
-from kvcd.host.systemd import Keepalive, Notifier
+from kvcd.host.systemd import EXTEND_USEC, Keepalive, Notifier
 
 log = logging.getLogger(__name__)
-
-# How far each sign of build progress pushes systemd's start/reload timeout (µs).
-EXTEND_USEC = 10 * 60 * 1_000_000
 
 
 class Service:
@@ -189,7 +186,7 @@ class Service:
 
     def _build_line(self, line: str) -> None:
         """Build output: into the journal, and proof of life (_extend) that pushes the start
-        timeout out; a silent build still meets the unit's TimeoutStartSec."""
+        timeout out (a silent one is pushed out by Keepalive, to image_timeout)."""
         log.info("%s", line.rstrip(), extra=self.fields)
         self._extend()
 

@@ -42,6 +42,12 @@ def reset() -> None:
     _state.requested = False
 
 
+def waiting() -> bool:
+    """Whether the main thread is inside allowed(): waiting for podman (read from the keepalive
+    thread, kvcd.host.systemd.Keepalive, which pushes systemd's timeout out meanwhile)."""
+    return _state.inside
+
+
 @contextmanager
 def allowed() -> Iterator[None]:
     """A stop may cut in here (a blocking wait, nothing else). Off the main thread, where a

@@ -17,7 +17,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
+
+from kvcd.host import interrupt
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +219,38 @@ def _status(text: str | None) -> tuple[str, ...]:
     return ("STATUS=" + text.replace("\r\n", " ").replace("\n", " ").replace("\r", " "),)
 
 
+# How far each sign of life pushes systemd's start/reload/stop timeout out (µs): build output,
+# a drain awaited, a wait for podman (Keepalive).
+EXTEND_USEC = 10 * 60 * 1_000_000
+# Seconds between the keepalive's looks at a wait for podman (EXTEND_USEC is 20 times this).
+EXTEND_TICK = 30.0
+
+
 class Keepalive:
-    """Feeds the watchdog from a thread while the main thread is inside a long step (a build).
+    """Feeds the watchdog from a thread while the main thread is inside a long step (a build),
+    and pushes systemd's start (or reload) timeout out while that step waits for podman.
 
     It pings when it takes over from the main loop and when it hands back: each side counts its
     interval from its own start, so a handover without a ping could leave two intervals (the
     whole WatchdogSec) between pings. Twenty instances starting at once in a 2-core guest had
     systemd kill daemons in the middle of an extraction that way.
+
+    A build step may print nothing for longer than TimeoutStartSec= (a big compile). Build
+    output extends the timeout, silence did not, and systemd killed the first start with no
+    reason written, then built again at the restart. While `waiting()` (the main thread inside
+    interrupt.allowed(): a pull, build or image load) it extends it every EXTEND_TICK, so
+    image_timeout, which kvcd enforces and explains, bounds that wait.
     """
 
-    def __init__(self, notifier: Notifier) -> None:
+    def __init__(
+        self,
+        notifier: Notifier,
+        waiting: Callable[[], bool] = interrupt.waiting,
+        tick: float = EXTEND_TICK,
+    ) -> None:
         self.notify = notifier
+        self._waiting = waiting
+        self._tick = tick
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -235,16 +258,23 @@ class Keepalive:
         interval = self.notify.watchdog_interval()
         if interval:
             self.notify.watchdog()
-            self._thread = threading.Thread(target=self._feed, args=(interval,), daemon=True)
-            self._thread.start()
+        elif not self.notify.enabled:
+            return self  # nothing to send, no thread
+        tick = min(interval, self._tick) if interval else self._tick
+        self._thread = threading.Thread(target=self._feed, args=(tick, bool(interval)), daemon=True)
+        self._thread.start()
         return self
 
-    def _feed(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            self.notify.watchdog()
+    def _feed(self, tick: float, watchdog: bool) -> None:
+        while not self._stop.wait(tick):
+            if watchdog:
+                self.notify.watchdog()
+            if self._waiting():
+                self.notify.extend_timeout(EXTEND_USEC)
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
         if self._thread:
             self._thread.join()
-            self.notify.watchdog()
+            if self.notify.watchdog_interval():
+                self.notify.watchdog()

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,45 @@ class SlowBuild(QuietHandler):
         self.close_connection = True
 
 
+@contextmanager
+def slow_build(daemon: Daemon, tmp_path: Path, policy: str = "if-idle") -> Iterator[None]:
+    """kvcd run started on an instance whose build, served by SlowBuild, has printed its one
+    line and is silent now."""
+    sock = tmp_path / "podman.sock"
+    SlowBuild.building.clear()
+    SlowBuild.hung_up.clear()
+    with serving(sock, SlowBuild):
+        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(f'podman_socket = "unix://{sock}"\n')
+        ctx = tmp_path / "ctx"
+        ctx.mkdir()
+        (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
+        text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
+        fakehost.write_config(daemon.root, "e2e", f'unload_policy = "{policy}"\n' + text)
+        daemon.start()
+        assert SlowBuild.building.wait(60), daemon.stderr_path.read_text()[-3000:]
+        yield
+
+
+def test_a_silent_build_pushes_the_start_timeout_out(daemon: Daemon, tmp_path: Path) -> None:
+    """A build step that prints nothing for longer than TimeoutStartSec= (a big compile): kvcd
+    keeps pushing systemd's start timeout out while it waits for podman, so image_timeout, not
+    systemd's kill, ends a build that never finishes (with the reason written down). Build
+    output pushes it at most every 30 s, so every push after the first is the keepalive's
+    (one look per second here: WATCHDOG_USEC=2 s)."""
+
+    def extends() -> int:
+        return sum(m.startswith("EXTEND_TIMEOUT_USEC=") for m in daemon.messages)
+
+    with slow_build(daemon, tmp_path):
+        deadline = time.monotonic() + 60
+        while extends() < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert extends() >= 3, daemon.messages
+        assert "READY=1" not in "".join(daemon.messages)
+        daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("policy", "state", "reason"),
     [
@@ -256,18 +296,7 @@ def test_sigterm_during_a_build_stops_at_once(
     """`systemctl stop` during a build: the stop cuts into the wait for podman (before, it
     waited for the build, or for TimeoutStopSec= and SIGKILL). kvcd hangs up, so podman
     abandons the build; nothing is loaded; the stop goes on by the unload policy."""
-    sock = tmp_path / "podman.sock"
-    SlowBuild.building.clear()
-    SlowBuild.hung_up.clear()
-    with serving(sock, SlowBuild):
-        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(f'podman_socket = "unix://{sock}"\n')
-        ctx = tmp_path / "ctx"
-        ctx.mkdir()
-        (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
-        text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
-        fakehost.write_config(daemon.root, "e2e", f'unload_policy = "{policy}"\n' + text)
-        daemon.start()
-        assert SlowBuild.building.wait(60), daemon.stderr_path.read_text()[-3000:]
+    with slow_build(daemon, tmp_path, policy):
         t0 = time.monotonic()
         daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]

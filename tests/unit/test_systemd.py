@@ -6,7 +6,8 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,63 @@ def test_keepalive_without_a_watchdog_sends_nothing() -> None:
     with Keepalive(n):
         pass
     assert n.pings == 0
+
+
+class _Recording(Notifier):
+    """A notifier with a socket (nothing is sent) that records each message."""
+
+    def __init__(self, watchdog_usec: int | None = None) -> None:
+        super().__init__("@kvcd-test", watchdog_usec=watchdog_usec, pid=ME)
+        self.sent: list[str] = []
+
+    def notify(self, *assignments: str) -> bool:
+        self.sent.append("\n".join(assignments))
+        return True
+
+
+def _extends(n: _Recording) -> int:
+    return sum(m.startswith("EXTEND_TIMEOUT_USEC=") for m in n.sent)
+
+
+def _until(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """pred() became true within `timeout` (a bound for a busy machine, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_keepalive_pushes_the_timeout_out_while_podman_is_waited_for() -> None:
+    """A build step silent for longer than TimeoutStartSec= (a big compile): the wait for
+    podman is bounded by image_timeout, and systemd's start timeout is pushed out meanwhile,
+    so systemd does not kill the start before kvcd can say why it ended."""
+    from kvcd.host import interrupt
+    from kvcd.host.systemd import EXTEND_USEC, Keepalive
+
+    n = _Recording()
+    looks: list[bool] = []  # what each of the keepalive's looks saw
+
+    def waiting() -> bool:
+        looks.append(interrupt.waiting())
+        return looks[-1]
+
+    with Keepalive(n, waiting=waiting, tick=0.01):
+        assert _until(lambda: len(looks) >= 3)
+        assert _extends(n) == 0  # not waiting for podman: no extension
+        with interrupt.allowed():
+            assert _until(lambda: _extends(n) >= 2), n.sent
+        during, looked = _extends(n), len(looks)
+        assert _until(lambda: len(looks) >= looked + 3)
+        assert _extends(n) <= during + 1  # a look may have been under way at the handback
+    assert f"EXTEND_TIMEOUT_USEC={EXTEND_USEC}" in n.sent
+
+
+def test_keepalive_looks_at_least_as_often_as_it_pings() -> None:
+    from kvcd.host.systemd import Keepalive
+
+    n = _Recording(watchdog_usec=40_000)  # a ping every 20 ms, a look every 30 s by default
+    with Keepalive(n, waiting=lambda: True):
+        assert _until(lambda: _extends(n) >= 2), n.sent
+    assert sum(m == "WATCHDOG=1" for m in n.sent) >= 3  # at the takeover, a tick, the handback
