@@ -216,6 +216,22 @@ def running_and_done(timeout: float, instance: str = INSTANCE) -> dict[str, Any]
     return wait_for(state_is("Done", instance=instance), timeout, f"{instance} Done")
 
 
+def wait_idle(unit: str = UNIT, timeout: float = 120) -> None:
+    """Until the unit's daemon waits for events: its main thread in epoll_wait (kvcd's loop,
+    Service._wait), not in a cycle or in the work that follows READY=1 (the drift baseline,
+    the node report). An event that comes meanwhile waits for that work to end, which takes
+    seconds under TCG: a test that times kvcd's answer to one starts from an idle daemon."""
+    wchan = Path(f"/proc/{unit_prop('MainPID', unit)}/wchan")
+
+    def idle() -> bool:
+        try:
+            return wchan.read_text().strip() == "do_epoll_wait"
+        except OSError:
+            return False
+
+    wait_for(idle, timeout, f"{unit} idle (waiting for events)", interval=0.2)
+
+
 def record_or_status(instance: str = INSTANCE) -> dict[str, Any] | None:
     """What the record says, or `kvcd status` when the record cannot tell (recorded)."""
     return recorded(instance) or kvcd_status(instance)

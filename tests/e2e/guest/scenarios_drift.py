@@ -36,6 +36,7 @@ from kvcdguest import (
     sh,
     state_is,
     wait_for,
+    wait_idle,
 )
 
 MODULE_ROOT = Path("/var/lib/kvcd/modules")
@@ -77,7 +78,9 @@ def settle_done() -> dict[str, Any]:
 @pytest.fixture(autouse=True)
 def _done_before_and_after() -> Iterator[None]:
     # Running, Done and loaded: the core step ends with the unit stopped (Done, goal unloaded).
+    # Idle: each test times kvcd's answer to a change, not the end of its work after a start.
     running_and_done(900)
+    wait_idle()
     yield
     st = record_or_status()
     if st and st.get("state") == "Degraded" and st.get("reason", "").startswith("Drift:"):
@@ -137,6 +140,7 @@ def test_g2_rmmod_reloads_with_policy_reload() -> None:
     set_top_level("on_external_unload", '"reload"')
     sh(["systemctl", "reload", UNIT], timeout=600)
     settle_done()
+    wait_idle()  # the reload's work after its answer done
     sh(["rmmod", "kvcd_user"])
     wait_for(lambda: "kvcd_user" in proc_modules(), 30, "kvcd to reload kvcd_user", interval=0.2)
     settle_done()
