@@ -26,15 +26,13 @@ from kvcdguest import (
 # In /run: gone after a reset, so a point armed before one never fires again after it.
 TOKEN = Path("/run/kvcd-e2e-crash-token")
 # The point's variables, read by systemd at each start of the unit (EnvironmentFile=): arming
-# another point rewrites this file, not a unit file, so it needs no daemon-reload (~10 s under
+# another point rewrites this file, not a unit file, so it needs no daemon-reload (~3-10 s under
 # TCG each). In /run as well: a reset forgets it.
 ENV_FILE = Path("/run/kvcd-e2e-failpoint.env")
-# The drop-in that reads it, installed once per scenario file: in /run for SIGKILL; in /etc for
-# a reset, whose boots must keep it (ProtectKernelTunables=no lets kvcd write sysrq-trigger).
-DROPINS = {
-    "kill": Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf"),
-    "reset": Path(f"/etc/systemd/system/{UNIT}.d/70-e2e-crash.conf"),
-}
+# The drop-in that reads it: a runtime one, which kvcd's drift monitor does not watch (a drop-in
+# under /etc is drift of its unit: Degraded until the force file renews the baseline). A reset
+# forgets it too, so reboot_reset writes it again in each boot.
+DROPIN = Path(f"/run/systemd/system/{UNIT}.d/70-e2e-crash.conf")
 STATE = Path("/var/lib/kvcd")
 RUNTIME = Path("/run/kvcd")
 # Versions the host compiled for the guest kernel (run-guest.sh): each start-time point
@@ -55,14 +53,14 @@ def arm(point: str, delay: float, action: str = "kill") -> None:
     once. action "reset": the machine resets there. The drop-in that reads the file is written
     (and systemd reloaded) only when it is not in place yet."""
     TOKEN.unlink(missing_ok=True)
-    dropin, text = DROPINS[action], _dropin_text(action)
+    text = _dropin_text(action)
     ENV_FILE.write_text(
         f"KVCD_FAILPOINT={point}\nKVCD_FAILPOINT_TOKEN={TOKEN}\n"
         f"KVCD_FAILPOINT_DELAY={delay}\nKVCD_FAILPOINT_ACTION={action}\n"
     )
-    if not dropin.exists() or dropin.read_text() != text:
-        dropin.parent.mkdir(parents=True, exist_ok=True)
-        dropin.write_text(text)
+    if not DROPIN.exists() or DROPIN.read_text() != text:
+        DROPIN.parent.mkdir(parents=True, exist_ok=True)
+        DROPIN.write_text(text)
         sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "reset-failed", UNIT], check=False)
 
@@ -73,9 +71,8 @@ def disarm(reload: bool = True) -> None:
     reloads once."""
     TOKEN.unlink(missing_ok=True)
     ENV_FILE.unlink(missing_ok=True)
-    if reload and any(d.exists() for d in DROPINS.values()):
-        for dropin in DROPINS.values():
-            dropin.unlink(missing_ok=True)
+    if reload and DROPIN.exists():
+        DROPIN.unlink()
         sh(["systemctl", "daemon-reload"])
     sh(["systemctl", "reset-failed", UNIT], check=False)
 

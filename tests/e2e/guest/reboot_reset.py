@@ -7,8 +7,7 @@ SIGKILL: Done with both modules live at the configured version, or Degraded with
 every JSON file in kvcd's directories whole; no temporary file, no extracted tree without its
 manifest. Then the next point is armed (a runtime drop-in with KVCD_FAILPOINT_ACTION=reset),
 the instance moved to the other prebuilt version with its extracted tree removed (so the start
-extracts, runs depmod and loads), and entry.sh starts it and waits for the reset. The drop-in
-that arms the points is in /etc (crashkit.arm), kept through the resets: one daemon-reload.
+extracts, runs depmod and loads), and entry.sh starts it and waits for the reset.
 
 Runs last in its guest (entry.sh runs reboot_* files after every scenarios_* step), one phase
 per boot: the phase is kept in /var/lib/kvcd-e2e/reset-phase (synced by entry.sh before the
@@ -92,7 +91,6 @@ def test_reset_at_each_point_converges() -> None:
         assert problems_on_disk() == []
     if phase == len(POINTS):  # every point done: the instance goes back as it was found
         sh(["systemctl", "disable", UNIT])
-        disarm()
         INSTANCE_FILE.write_text(ORIGINAL.read_text())
         sh(["systemctl", "restart", UNIT], timeout=BUILD_TIMEOUT)
         st = wait_for(settled, BUILD_TIMEOUT, "settled at the original version")
