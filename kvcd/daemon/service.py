@@ -244,6 +244,10 @@ class Service:
                 verdict = ext.verdict(self.ctx, events)
             except StepFailed as exc:  # it read something kvcd cannot act on: say so, hold
                 verdict = Verdict(HOLD, state.DEGRADED, exc.code, exc.detail)
+            except files.Refused:
+                raise  # kvcd's own state: reconcile says StateDamaged
+            except OSError as exc:  # the host refused a read: say which, hold (not exit 1)
+                verdict = Verdict(HOLD, state.DEGRADED, state.HOST_ERROR, files.os_error(exc))
             if verdict is not None:
                 log.debug("%s: %s %s", ext.name, verdict.verb, verdict.reason, extra=self.fields)
                 return verdict

@@ -6,6 +6,7 @@ depmod/modprobe machinery, which re-exports these names.
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,19 +50,42 @@ class LoadedModule:
     """readable parameters (write-only ones are left out), values without the trailing newline"""
 
 
+class _Going(Exception):
+    """The module's sysfs directory is being torn down (rmmod under way): its attributes
+    answer ENODEV."""
+
+
 def _read_attr(path: Path) -> str | None:
     try:
         text = path.read_text(errors="replace")
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            raise _Going from exc
+        raise
     return text[:-1] if text.endswith("\n") else text
 
 
 def read_module(root: HostRoot, name: str) -> LoadedModule | None:
     """The module's state from ``root.sys_module/<name>``, or None when the kernel has no such
-    module (not loaded, or built in without parameters or version)."""
+    module (not loaded, or built in without parameters or version), or when it went while it
+    was read: an rmmod under way (udev's remove event comes during it, so kvcd reads then)."""
     name = normalize(check_name("module name", name))
     base = root.sys_module / name
+    try:
+        module = _read_module(base, name)
+    except _Going:
+        return None
+    except (FileNotFoundError, NotADirectoryError):  # a listing of a directory now gone
+        if base.is_dir():
+            raise
+        return None
+    # Gone meanwhile: its attributes read as missing, which a built-in module's also are.
+    return module if module is not None and base.is_dir() else None
+
+
+def _read_module(base: Path, name: str) -> LoadedModule | None:
     if not base.is_dir():
         return None
     refcnt_text = _read_attr(base / "refcnt")

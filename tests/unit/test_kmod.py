@@ -94,6 +94,64 @@ def test_read_module_absent(root: HostRoot) -> None:
         sysmodule.read_module(root, "../etc")
 
 
+LOADED = {"refcnt": "0\n", "initstate": "live\n", "version": "1.0\n", "parameters/p": "1\n"}
+
+
+@pytest.mark.parametrize("attr", ["refcnt", "initstate", "version", "parameters/p"])
+def test_read_module_while_rmmod_tears_it_down(
+    root: HostRoot, attr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """udev's remove event comes while rmmod runs, and kvcd reads the module then: its sysfs
+    attributes answer ENODEV. The module is gone, not an error: the daemon died of it (exit 1,
+    "[Errno 19] No such device") in the guest before."""
+    base = fake_sys_module(root, "kvcd_user", LOADED)
+    real = Path.read_text
+
+    def going(path: Path, *args: object, **kwargs: object) -> str:
+        if path == base / attr:
+            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", going)
+    assert sysmodule.read_module(root, "kvcd_user") is None
+
+
+@pytest.mark.parametrize("attr", ["refcnt", "version", "parameters/p"])
+def test_read_module_gone_between_two_reads(
+    root: HostRoot, attr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its directory gone after the first look: missing attributes, as a built-in module's
+    are, must not make it a built-in module that is loaded."""
+    import shutil
+
+    base = fake_sys_module(root, "kvcd_user", LOADED)
+    real = Path.read_text
+
+    def gone(path: Path, *args: object, **kwargs: object) -> str:
+        if path == base / attr and base.exists():
+            shutil.rmtree(base)
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", gone)
+    assert sysmodule.read_module(root, "kvcd_user") is None
+
+
+def test_read_module_other_errors_are_raised(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = fake_sys_module(root, "kvcd_user", LOADED)
+    real = Path.read_text
+
+    def eio(path: Path, *args: object, **kwargs: object) -> str:
+        if path == base / "refcnt":
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", eio)
+    with pytest.raises(OSError, match="Input/output error"):
+        sysmodule.read_module(root, "kvcd_user")
+
+
 # --- the module root -----------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ sd_notify socket.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -664,14 +665,29 @@ class Unreadable(Scripted):
         raise StepFailed(state.INSTALL_FAILED, "/lib/modules/k/extra/e2e was not installed by kvcd")
 
 
+class HostRefused(Scripted):
+    """An extension whose read the host refused (an OSError no layer below turned into a
+    StepFailed): the daemon exited 1 of it, with no reason written."""
+
+    def verdict(self, ctx: Context, events: list[Event]) -> Verdict | None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), "/sys/module/kvcd_user/refcnt")
+
+
+@pytest.mark.parametrize(
+    ("ext", "reason"),
+    [
+        (Unreadable, "InstallFailed: /lib/modules/k/extra/e2e was not installed by kvcd"),
+        (HostRefused, "HostError: /sys/module/kvcd_user/refcnt: Input/output error"),
+    ],
+)
 def test_a_verdict_that_cannot_be_reached_holds_degraded(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, ext: type[Scripted], reason: str
 ) -> None:
-    use(monkeypatch, Unreadable([]))
+    use(monkeypatch, ext([]))
     svc, _n = service(host)
     rec = svc.reconcile([Event("start", kind=RETRY)])
     assert rec is not None and rec.state == state.DEGRADED
-    assert rec.reason == "InstallFailed: /lib/modules/k/extra/e2e was not installed by kvcd"
+    assert rec.reason == reason
     assert not (host.sys_module / "kvcd_base").exists()  # held: nothing loaded
 
 
