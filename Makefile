@@ -78,7 +78,7 @@ rpm: setup
 # the RPM payload, the KVC shim), every scenario file and the kernel update with a reboot. A
 # scenario file that is in neither group fails the run (tests/e2e/test_vm.py), so a new one
 # cannot be left out of CI by accident.
-# The groups are balanced by the steps' measured times in CI (about 50 minutes each on a 2-core
+# The groups are balanced by the steps' measured times in CI (about 33 minutes each on a 2-core
 # machine, TCG). reboot_nextkernel leaves its guest on the second kernel, so it does not share a
 # guest with the reset and signing reboots. The guest without core builds e2e-kmod from the
 # host's prebuilt modules (tests/e2e/guest/install.sh).
