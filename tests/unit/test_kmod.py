@@ -7,6 +7,7 @@ import lzma
 import os
 import shlex
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,25 @@ def test_read_module_absent(root: HostRoot) -> None:
 LOADED = {"refcnt": "0\n", "initstate": "live\n", "version": "1.0\n", "parameters/p": "1\n"}
 
 
+def on_read(monkeypatch: pytest.MonkeyPatch, path: Path, first: Callable[[], None]) -> None:
+    """Reading `path` runs `first` before the read (which may raise, or remove files)."""
+    real = Path.read_text
+
+    def read_text(self: Path, *args: object, **kwargs: object) -> str:
+        if self == path:
+            first()
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+
+
+def _raise(code: int) -> Callable[[], None]:
+    def fail() -> None:
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
 @pytest.mark.parametrize("attr", ["refcnt", "initstate", "version", "parameters/p"])
 def test_read_module_while_rmmod_tears_it_down(
     root: HostRoot, attr: str, monkeypatch: pytest.MonkeyPatch
@@ -105,14 +125,7 @@ def test_read_module_while_rmmod_tears_it_down(
     attributes answer ENODEV. The module is gone, not an error: the daemon died of it (exit 1,
     "[Errno 19] No such device") in the guest before."""
     base = fake_sys_module(root, "kvcd_user", LOADED)
-    real = Path.read_text
-
-    def going(path: Path, *args: object, **kwargs: object) -> str:
-        if path == base / attr:
-            raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
-        return real(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "read_text", going)
+    on_read(monkeypatch, base / attr, _raise(errno.ENODEV))
     assert sysmodule.read_module(root, "kvcd_user") is None
 
 
@@ -125,14 +138,7 @@ def test_read_module_gone_between_two_reads(
     import shutil
 
     base = fake_sys_module(root, "kvcd_user", LOADED)
-    real = Path.read_text
-
-    def gone(path: Path, *args: object, **kwargs: object) -> str:
-        if path == base / attr and base.exists():
-            shutil.rmtree(base)
-        return real(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "read_text", gone)
+    on_read(monkeypatch, base / attr, lambda: shutil.rmtree(base))
     assert sysmodule.read_module(root, "kvcd_user") is None
 
 
@@ -140,14 +146,7 @@ def test_read_module_other_errors_are_raised(
     root: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base = fake_sys_module(root, "kvcd_user", LOADED)
-    real = Path.read_text
-
-    def eio(path: Path, *args: object, **kwargs: object) -> str:
-        if path == base / "refcnt":
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(path, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "read_text", eio)
+    on_read(monkeypatch, base / "refcnt", _raise(errno.EIO))
     with pytest.raises(OSError, match="Input/output error"):
         sysmodule.read_module(root, "kvcd_user")
 

@@ -37,7 +37,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -308,12 +308,7 @@ def test_f4_inotify_watches_exhausted() -> None:
         limit.write_text("1\n")
         sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
         st = wait_for(
-            lambda: (
-                "periodic" in noted("drift").get("line", "")
-                and (s := kvcd_status())
-                and "periodic" in (s.get("drift") or {}).get("line", "")
-                and s
-            ),
+            lambda: drift_says(lambda line: "periodic" in line),
             120,
             "the drift monitor to fall back to periodic checks",
         )
@@ -331,11 +326,7 @@ def test_f4_inotify_watches_exhausted() -> None:
         limit.write_text(old_limit + "\n")
         cleared = time.monotonic()
         wait_for(
-            lambda: (
-                noted("drift").get("line", "").startswith("watching")
-                and (s := kvcd_status())
-                and (s.get("drift") or {}).get("line", "").startswith("watching")
-            ),
+            lambda: drift_says(lambda line: line.startswith("watching")),
             60,
             "the watches to be restored",
         )
@@ -354,6 +345,15 @@ def test_f4_inotify_watches_exhausted() -> None:
 
 def _store_link() -> Path:
     return STATE / "modules" / "lib" / "modules" / KVER / "extra" / INSTANCE
+
+
+def drift_says(test: Callable[[str], bool]) -> dict[str, Any] | None:
+    """`kvcd status`, once the drift monitor's line passes `test`: in its runtime note first
+    (a cheap "not yet"), then in status's answer."""
+    if not test(noted("drift").get("line", "")):
+        return None
+    st = kvcd_status()
+    return st if st and test((st.get("drift") or {}).get("line", "")) else None
 
 
 def test_f5_node_unreachable_for_minutes() -> None:

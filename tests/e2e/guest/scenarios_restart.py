@@ -5,9 +5,8 @@ Each point is a fail point in kvcd (kvcd/host/failpoint.py), armed through a run
 and its environment file (KVCD_FAILPOINT=<point>, a one-shot token file) so the kill lands
 exactly there, every run. For each point: arm it, trigger the work that reaches it (a start
 that extracts, runs depmod and loads, and for the build point builds first; a stop; a reload;
-a next kernel staged), wait until kvcd died there, and then until
-the daemon systemd restarted (or the admin's next `systemctl start`, after a stop) has
-converged:
+a next kernel staged), wait until kvcd died there, and then until the daemon systemd
+restarted (or the admin's next `systemctl start`, after a stop) has converged:
   - Done, both modules loaded and live, at the configured version, in dependency order; or
     Degraded with a reason — never Done with a module missing, never silent;
   - every JSON file in kvcd's state and runtime directories parses;
