@@ -7,8 +7,7 @@ import socket
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from kvcd.host.podbuild import context_kind
 from kvcd.host.podman import Podman
 from kvcd.host.podtypes import INSTANCE_LABEL, ImageInfo, PodmanError, PodmanUnavailable
 from kvcd.host.tarstream import extract_members, tar_directory
-from tests.fakeapi import QuietHandler, serving
+from tests.fakeapi import FakeAPI, chunk, fake_api_at, one_build
 
 
 def make_tar(*members: tuple[str, bytes | None, bytes, str]) -> io.BytesIO:
@@ -317,44 +316,6 @@ def test_silent_service_times_out_as_unavailable(
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
-def chunk(line: bytes) -> bytes:
-    return f"{len(line):x}\r\n".encode() + line + b"\r\n"
-
-
-@contextmanager
-def one_build(
-    tmp_path: Path, answer: Callable[[socket.socket], None]
-) -> Iterator[tuple[str, podtypes.BuildSpec]]:
-    """A podman API socket that takes one build request (to its last context chunk) and hands
-    the connection to `answer`; the URL and a build spec for it."""
-    path = tmp_path / "build.sock"
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(str(path))
-    srv.listen(1)
-
-    def serve() -> None:
-        conn, _ = srv.accept()
-        conn.settimeout(10)
-        data = b""
-        while not data.endswith(b"0\r\n\r\n"):  # the request and its chunked context
-            data += conn.recv(65536)
-        try:
-            answer(conn)
-        finally:
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "Containerfile").write_text("FROM x\n")
-    try:
-        yield f"unix://{path}", podtypes.BuildSpec(str(ctx), "Containerfile", "localhost/x:1")
-    finally:
-        thread.join(10)
-        srv.close()
-
-
 def test_stream_cut_mid_build_is_unavailable(tmp_path: Path) -> None:
     def cut(conn: socket.socket) -> None:  # gone without the terminating chunk
         conn.sendall(HEAD + chunk(b'{"stream":"STEP 1/2: FROM x\\n"}\n'))
@@ -404,46 +365,9 @@ def test_a_build_past_image_timeout_is_cut_off(tmp_path: Path, after: str) -> No
 # --- a fake API service, for replies podman cannot give here (no registry is reachable) ----------
 
 
-class FakeAPI:
-    """A unix-socket HTTP server answering (method, path suffix) with canned JSON replies."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.routes: dict[tuple[str, str], tuple[int, list[object]]] = {}
-        self.requests: list[tuple[str, str, dict[str, list[str]]]] = []
-        self.headers: list[dict[str, str]] = []  # of each request, in order
-
-    def reply(self, method: str, suffix: str, status: int, *objects: object) -> None:
-        self.routes[(method, suffix)] = (status, list(objects))
-
-
 @pytest.fixture
 def fake_api(tmp_path: Path) -> Iterator[FakeAPI]:
-    import json
-    from urllib.parse import parse_qs, urlsplit
-
-    api = FakeAPI(tmp_path / "fake.sock")
-
-    class Handler(QuietHandler):
-        def handle_any(self) -> None:
-            url = urlsplit(self.path)
-            length = int(self.headers.get("Content-Length") or 0)
-            self.rfile.read(length)
-            api.requests.append((self.command, url.path, parse_qs(url.query)))
-            api.headers.append(dict(self.headers.items()))
-            status, objects = next(
-                (
-                    answer
-                    for (method, suffix), answer in api.routes.items()
-                    if method == self.command and url.path.endswith(suffix)
-                ),
-                (404, [{"message": "no route", "cause": "fake"}]),
-            )
-            self.reply(status, b"".join(json.dumps(o).encode() + b"\n" for o in objects))
-
-        do_GET = do_POST = do_DELETE = handle_any
-
-    with serving(api.path, Handler):
+    with fake_api_at(tmp_path / "fake.sock") as api:
         yield api
 
 
