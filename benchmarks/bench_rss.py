@@ -4,11 +4,12 @@ A daemon on a scratch root of this host (benchmarks/bench_soak.py `scratch_host`
 built and extracted by a private real podman service, fake modprobe/depmod and /sys/module),
 read from /proc `--settle` seconds after it reached Done (READY=1 and the late hooks: node
 report, drift baseline, next kernel, the library proof). Twice: the first start (it built the
-image: podman-py stays imported) and a cached start (the daemon restarted, its version already
-in the store: every boot after the first), whose RSS is the goal's figure. Beside them the
-interpreter's own floor, `python3 -c pass`, how much of the daemon's RSS is file-backed
-(shared libraries: counted in RSS, shared with every other process that maps them), and its PSS
-(what it costs the node: each shared page divided among the processes mapping it).
+image, through the podman helper process, kvcd/host/podchild.py, which is gone by then; the
+daemon read the modules' ELF itself: pyelftools stays) and a cached start (the daemon restarted,
+its version already in the store: every boot after the first), whose RSS is the goal's figure.
+Beside them the interpreter's own floor, `python3 -c pass`, how much of the daemon's RSS is
+file-backed (shared libraries: counted in RSS, shared with every other process that maps them),
+and its PSS (what it costs the node: each shared page divided among the processes mapping it).
 
 And two peers that say what the RSS is made of: a bare interpreter that imports the modules
 the cached daemon imported (named by its own `-X importtime`) and does nothing else, and one

@@ -25,7 +25,7 @@ from kvcd.host.bootloader import NextBoot
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def build_ahead(
     settings: Settings,
     cfg: InstanceConfig,
     nb: NextBoot,
-    podman: Callable[[], Podman],
+    podman: Callable[[], PodmanApi],
     on_build_line: Callable[[str], None] = lambda _s: None,
 ) -> str:
     """The instance's "prepare" plan for the next kernel (build, extract, activate in B's tree,
@@ -196,9 +196,13 @@ def build_ahead(
     fields = {"KVCD_INSTANCE": cfg.name, "KVCD_KERNEL": kernel}
     for line in plan.describe():
         log.info("next kernel %s: %s", kernel, line, extra=fields)
-    Executor(
+    executor = Executor(
         root, inst.cfg, inst.desired, podman, on_build_line=on_build_line, settings=inst.settings
-    ).apply(plan)
+    )
+    try:
+        executor.apply(plan)
+    finally:
+        executor.close()  # the client `podman` made for it (a podman helper process)
     built = any(isinstance(a, (AcquireImage, Extract)) for a in plan.actions)
     return f"built for {kernel}" if built else f"already extracted for {kernel}"
 
@@ -209,7 +213,7 @@ def prepare(
     cfg: InstanceConfig,
     running: str,
     nb: NextBoot,
-    podman: Callable[[], Podman],
+    podman: Callable[[], PodmanApi],
     on_build_line: Callable[[str], None] = lambda _s: None,
 ) -> Outcome:
     """Make the instance ready for the next kernel (see the module docstring). Idempotent."""
@@ -255,7 +259,7 @@ def prepare(
 
 
 def prepare_command(
-    root: HostRoot, name: str | None, kernel: str, podman: Callable[[], Podman] | None = None
+    root: HostRoot, name: str | None, kernel: str, podman: Callable[[], PodmanApi] | None = None
 ) -> int:
     """`kvcd prepare (NAME | --all) --kernel KVER`: each instance made ready for KVER now (what
     its daemon does when KVER becomes the next kernel; the kernel-install plugin runs it while a
@@ -273,7 +277,7 @@ def prepare_command(
     running = running_kernel(root)
     names = [name] if name is not None else list_instances(root)
 
-    def client() -> Podman:
+    def client() -> PodmanApi:
         from kvcd.daemon import images
 
         return images.client(settings)

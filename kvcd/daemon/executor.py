@@ -42,7 +42,7 @@ from kvcd.host.paths import HostRoot
 from kvcd.host.run import CommandError
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Executor:
         root: HostRoot,
         cfg: InstanceConfig,
         desired: Desired,
-        podman: Callable[[], Podman],
+        podman: Callable[[], PodmanApi],
         on_step: Callable[[str], None] = lambda _s: None,
         on_build_line: Callable[[str], None] = lambda _s: None,
         settings: Settings | None = None,
@@ -89,7 +89,7 @@ class Executor:
         self.cfg = cfg
         self.d = desired
         self._podman_factory = podman
-        self._podman: Podman | None = None
+        self._podman: PodmanApi | None = None
         self.on_step = on_step
         self.on_build_line = on_build_line
         self._params_by_name: dict[str, tuple[tuple[str, str], ...]] | None = None
@@ -112,13 +112,13 @@ class Executor:
 
     # -- helpers -------------------------------------------------------------------------------
     @property
-    def podman(self) -> Podman:
+    def podman(self) -> PodmanApi:
         if self._podman is None:
             self._podman = self._podman_factory()
         return self._podman
 
     def close(self) -> None:
-        """Close the podman client this executor made, if it made one (its API connection)."""
+        """Close the podman client this executor made, if it made one (its helper process)."""
         if self._podman is not None:
             self._podman.close()
             self._podman = None

@@ -41,7 +41,7 @@ from kvcd.host import files
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 CHUNK = 1 << 20
 
@@ -172,7 +172,7 @@ def render(fw: dict[str, Any]) -> str:
     return f"firmware: {len(fw['files'])} file(s) in {where} ({how})"
 
 
-def extract(podman: Podman, tag: str, path_in_image: str, tree: Path) -> dict[str, str]:
+def extract(podman: PodmanApi, tag: str, path_in_image: str, tree: Path) -> dict[str, str]:
     """The files under `path_in_image` of `tag`, into `tree`'s firmware directory: their
     names (relative to it) -> sha256. PodmanError when there are none, or a name the kernel
     could not ask for."""

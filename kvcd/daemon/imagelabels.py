@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 from kvcd.config.model import InstanceConfig, is_kvcd_tag
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
-    from kvcd.host.podtypes import ImageInfo
+    from kvcd.host.podtypes import ImageInfo, PodmanApi
 
 
 def _inputs(cfg: InstanceConfig, kernel: str) -> str:
@@ -83,7 +82,7 @@ def adoptable(cfg: InstanceConfig, kernel: str, info: ImageInfo, pull_ref: str |
     return pull_ref in info.tags or f"{pull_ref}:latest" in info.tags
 
 
-def release(client: Podman, name: str, tags: Collection[str]) -> list[str]:
+def release(client: PodmanApi, name: str, tags: Collection[str]) -> list[str]:
     """Give back the images `tags` name: the names kvcd gave the images it built, pulled or
     loaded for instance `name` (its store's manifests say which). One line per image.
 

@@ -29,8 +29,8 @@ from kvcd.host.paths import HostRoot
 from kvcd.host.regauth import AuthFileError, credentials, files_for
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
-    from kvcd.host.podtypes import ImageInfo
+    from kvcd.host.podchild import PodmanChild
+    from kvcd.host.podtypes import ImageInfo, PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Images:
     cfg: InstanceConfig
     kernel: str
     settings: Settings | None
-    podman: Callable[[], Podman]
+    podman: Callable[[], PodmanApi]
     on_build_line: Callable[[str], None]
     fields: Mapping[str, str]
 
@@ -222,12 +222,13 @@ class Images:
             log.info("removed old image %s", ", ".join(img.tags) or img.id, extra=self.fields)
 
 
-def client(settings: Settings) -> Podman:
+def client(settings: Settings) -> PodmanChild:
     """A client of the podman service kvcd.toml names, whose pulls, builds and image loads
-    end at image_timeout."""
-    from kvcd.host.podman import Podman
+    end at image_timeout. It talks to podman from a helper process it starts when first used
+    and ends when closed (kvcd/host/podchild.py): podman-py never stays in kvcd's memory."""
+    from kvcd.host.podchild import PodmanChild
 
-    return Podman(settings.podman_socket, image_timeout=settings.image_timeout)
+    return PodmanChild(settings.podman_socket, image_timeout=settings.image_timeout)
 
 
 def archive_problem(planned: Plan) -> str:

@@ -26,7 +26,7 @@ from kvcd.host import files, interrupt, journal, sysmodule
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Instance:
         *,
         on_step: Callable[[str], None] = lambda _s: None,
         on_build_line: Callable[[str], None] = lambda _s: None,
-        podman: Callable[[], Podman] | None = None,
+        podman: Callable[[], PodmanApi] | None = None,
         modules_dir: Path | None = None,
     ) -> None:
         self.root = root
@@ -69,7 +69,7 @@ class Instance:
         self._owns_podman = podman is None  # its clients are closed with each change
         self.store_only = False  # at_version: load from the store, never pull, build or extract
 
-    def _default_podman(self) -> Podman:
+    def _default_podman(self) -> PodmanApi:
         from kvcd.daemon.images import client
 
         return client(self.settings)
@@ -154,7 +154,7 @@ class Instance:
                 _enter(w, self._holding(about, verb), state.DEGRADED, state.STOPPED, why)
                 raise
             finally:
-                if self._owns_podman:  # its API connection, not left to the garbage collector
+                if self._owns_podman:  # its helper process, not left to the garbage collector
                     executor.close()
             return _enter(w, self._holding(about, verb), done, code, why)
 

@@ -41,7 +41,7 @@ from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
     from kvcd.host.fswatch import DirWatch
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ def _set_fields(record: Record, outcome: Outcome) -> bool:
     return True
 
 
-def _default_podman(settings: Settings) -> Callable[[], Podman]:
-    def make() -> Podman:
+def _default_podman(settings: Settings) -> Callable[[], PodmanApi]:
+    def make() -> PodmanApi:
         from kvcd.daemon.images import client
 
         return client(settings)
@@ -103,7 +103,7 @@ def _default_podman(settings: Settings) -> Callable[[], Podman]:
 class NextKernel(Extension):
     """Watches for the next kernel and prepares the instance for it as idle work (main thread).
 
-    `detector`, `podman` and `watch` are seams for tests (defaults: :func:`detect`, a Podman
+    `detector`, `podman` and `watch` are seams for tests (defaults: :func:`detect`, a PodmanApi
     client of the settings' socket, a kvcd.host.fswatch.DirWatch).
     """
 
@@ -115,7 +115,7 @@ class NextKernel(Extension):
         settings: Settings,
         *,
         detector: Callable[[HostRoot], NextBoot] = detect,
-        podman: Callable[[], Podman] | None = None,
+        podman: Callable[[], PodmanApi] | None = None,
         watch: Callable[[Sequence[Path], Callable[[Path], None]], DirWatch] | None = None,
         inhibitor: Inhibitor | None = None,
     ) -> None:
@@ -373,8 +373,11 @@ class NextKernel(Extension):
             from kvcd.host.podtypes import PodmanError, PodmanUnavailable
 
             try:
-                with self.podman() as client:
+                client = self.podman()
+                try:
                     return imagelabels.release(client, ctx.name, tags)
+                finally:
+                    client.close()
             except (PodmanError, PodmanUnavailable) as exc:
                 log.warning("images of removed trees kept: %s", exc, extra=ctx.fields)
                 return []

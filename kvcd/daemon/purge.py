@@ -47,7 +47,7 @@ from kvcd.host.paths import HostRoot
 from kvcd.node.keys import Keys, stem
 
 if TYPE_CHECKING:
-    from kvcd.host.podman import Podman
+    from kvcd.host.podtypes import PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _unload(
     settings: Settings,
     name: str,
     rec: Record | None,
-    podman: Callable[[], Podman] | None,
+    podman: Callable[[], PodmanApi] | None,
 ) -> None:
     """Unload as `kvcd unload` does; a module loaded with no config to unload it by refuses."""
     recorded = rec.modules if rec is not None else []
@@ -187,7 +187,7 @@ def _stored_images(root: HostRoot, name: str) -> set[str]:
 
 
 def _images(
-    settings: Settings, name: str, tags: set[str], podman: Callable[[], Podman] | None
+    settings: Settings, name: str, tags: set[str], podman: Callable[[], PodmanApi] | None
 ) -> str | None:
     from kvcd.daemon import imagelabels, images
     from kvcd.host.podtypes import PodmanError, PodmanUnavailable
@@ -207,7 +207,7 @@ def _images(
     return None
 
 
-def purge(root: HostRoot, name: str, podman: Callable[[], Podman] | None = None) -> list[str]:
+def purge(root: HostRoot, name: str, podman: Callable[[], PodmanApi] | None = None) -> list[str]:
     """Purge `name` (see the module docstring); what is left (empty: nothing). Raises Refused
     when it cannot start or its modules cannot be unloaded. `podman`: the client to use
     (default: the configured socket's)."""

@@ -3,11 +3,13 @@ transient, PodmanError permanent for its input), ImageInfo and the BuildSpec of 
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, Protocol
 
 DEFAULT_URL = "unix:///run/podman/podman.sock"
 
@@ -85,6 +87,43 @@ class BuildSpec:
     tag: str
     build_args: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
+
+
+class PodmanApi(Protocol):
+    """What kvcd asks of the podman service: kvcd.host.podman.Podman does it in this process,
+    kvcd.host.podchild.PodmanChild in a helper process (the daemon's, so that podman-py and
+    requests never stay resident in it)."""
+
+    def ping(self) -> None: ...
+
+    def get_image(self, ref: str) -> ImageInfo | None: ...
+
+    def list_instance_images(self, instance: str) -> list[ImageInfo]: ...
+
+    def pull(
+        self, ref: str, tag: str, *, auth: str | None = None, tls_verify: bool = True
+    ) -> ImageInfo: ...
+
+    def tag(self, image_id: str, ref: str, *, untag: bool = False) -> None: ...
+
+    def load(self, archive: IO[bytes], name: str) -> ImageInfo: ...
+
+    def build(self, spec: BuildSpec, on_line: Callable[[str], None]) -> ImageInfo: ...
+
+    def extract(
+        self,
+        image_ref: str,
+        path_in_image: str,
+        dest_dir: str | os.PathLike[str],
+        patterns: Sequence[str] = MODULE_PATTERNS,
+        kind: str = "kernel module",
+    ) -> list[Path]: ...
+
+    def remove_image(self, image_id: str) -> None: ...
+
+    def gc(self, instance: str, keep: int, protect: Collection[str] = ()) -> list[ImageInfo]: ...
+
+    def close(self) -> None: ...
 
 
 def image_info(data: Mapping[str, Any]) -> ImageInfo:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -183,6 +184,43 @@ def _live_members(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             return True
     return False
+
+
+class Child:
+    """A helper process kvcd started (:func:`spawn`) and talks to over ``sock``, its stdin and
+    stdout; its stderr is kvcd's own. Until :meth:`end` has reaped it, its pid cannot name any
+    other process, so it is only ever signalled here."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self._proc = proc
+        self.sock = sock
+        self.pid = proc.pid
+
+    def end(self, grace: float) -> int:
+        """Close kvcd's end (the helper reads EOF and exits), give it `grace` seconds, then
+        SIGKILL it; reap it. Its exit status (negative: the signal that ended it). Idempotent."""
+        self.sock.close()
+        try:
+            return self._proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # not reaped yet: still this helper
+            return self._proc.wait()
+
+
+def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> Child:
+    """Start argv (no shell) with one end of a unix stream socketpair as its stdin and stdout,
+    for a helper kvcd talks to while it runs (kvcd.host.podchild); the caller ends it."""
+    exe, full_env = _resolve(argv, env)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        fd = theirs.fileno()
+        proc = subprocess.Popen([exe, *argv[1:]], env=full_env, stdin=fd, stdout=fd)
+    except OSError as exc:
+        ours.close()
+        raise CommandError(argv, 126, str(exc)) from exc
+    finally:
+        theirs.close()
+    return Child(proc, ours)
 
 
 def run_inherit(argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:

@@ -15,12 +15,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvcd.host import pylibs
 from kvcd.host.paths import HostRoot
 from tests import fakehost
+from tests.integration.kmods import compiled_kmods_or_skip
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +47,9 @@ RESIDENT_NEVER = (
     "prometheus_client",  # the metrics textfile is written by a child (kvcd/daemon/metrics.py)
 )
 
+# What talking to the podman API imports (podman-py and its HTTP stack).
+PODMAN_CLIENT = ("podman", "requests", "urllib3", "rich")
+
 # `kvcd run`, writing sys.modules to $KVCD_MODULES_TO once the late hooks of a cycle are done.
 PROBE = """\
 import json, os, sys
@@ -67,15 +72,27 @@ sys.exit(main(sys.argv[1:]))
 
 
 def settled_daemon(
-    tmp: Path, pythonpath: list[Path], want: str = "Done", also: str | None = None
+    tmp: Path,
+    pythonpath: list[Path],
+    want: str = "Done",
+    also: str | None = None,
+    build: tuple[str, Path] | None = None,
+    kernel: str = K,
 ) -> tuple[set[str], dict[str, object]]:
     """(modules imported, record) of a `kvcd run e2e` whose late hooks have run in a cycle
     that left the record in state `want` (the library proof ends beside the loop: a broken
-    library is Degraded in the cycle its event wakes), and host file `also` exists."""
+    library is Degraded in the cycle its event wakes), and host file `also` exists. With
+    `build` (the podman service's URL, a build context), its start on `kernel` builds and
+    extracts version 1.0; else 1.0 is in the store already (a cached start)."""
     root = HostRoot(tmp / "root")
-    fakehost.make_host(root, K)
-    fakehost.store_version(root, "e2e", "1.0", K, MODS)
-    fakehost.write_config(root, "e2e", CONFIG)
+    fakehost.make_host(root, kernel)
+    if build is None:
+        fakehost.store_version(root, "e2e", "1.0", kernel, MODS)
+        fakehost.write_config(root, "e2e", CONFIG)
+    else:
+        url, context = build
+        fakehost.write(root.main_config, f'podman_socket = "{url}"\n')
+        fakehost.write_config(root, "e2e", CONFIG.replace("/src", str(context)))
     bindir = tmp / "bin"
     bindir.mkdir()
     for name, body in fakehost.SCRIPTS.items():
@@ -129,6 +146,28 @@ def test_a_settled_daemon_has_proven_its_libraries_without_importing_them(
     # The metrics textfile, written by a child with prometheus_client.
     text = (tmp_path / "root" / prom.lstrip("/")).read_text()
     assert 'kvcd_instance_state{instance="e2e",state="Done"} 1.0' in text
+
+
+def test_a_daemon_that_built_its_image_keeps_none_of_podman_py(
+    tmp_path: Path, podman_service: Any
+) -> None:
+    """A start that builds and extracts talks to podman from a helper process
+    (kvcd/host/podchild.py), which ends with the change: podman-py, requests and rich never
+    enter the daemon, whose first start would otherwise keep them for as long as it runs."""
+    kmods = compiled_kmods_or_skip("the daemon's build")
+    context = tmp_path / "context"
+    context.mkdir()
+    for ko in (kmods.base, kmods.user):
+        (context / ko.name).write_bytes(ko.read_bytes())
+    (context / "Containerfile").write_text(
+        "FROM scratch\nARG KVER\nCOPY *.ko /lib/modules/${KVER}/extra/\n"
+    )
+    build = (podman_service.url, context)
+    modules, record = settled_daemon(tmp_path, [], build=build, kernel=kmods.kernel)
+    assert record["state"] == "Done", record
+    assert "kvcd.host.podchild" in modules  # it did talk to podman
+    # (pyelftools stays: the daemon reads the extracted modules' ELF itself.)
+    assert [m for m in resident(modules) if m.split(".")[0] in PODMAN_CLIENT] == []
 
 
 def test_a_broken_library_degrades_the_daemon_with_its_import_error_and_stays_out(

@@ -1,4 +1,6 @@
-"""kvcd.host.podman against a real podman service (see conftest.py)."""
+"""kvcd.host.podman against a real podman service (see conftest.py): each test twice, with
+Podman in this process and with PodmanChild, the daemon's podman helper process
+(kvcd/host/podchild.py), which must answer alike."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import pytest
 
 from kvcd.daemon.imagelabels import release
+from kvcd.host.podchild import PodmanChild
 from kvcd.host.podman import Podman
 from kvcd.host.podtypes import (
     INSTANCE_LABEL,
@@ -22,6 +26,7 @@ from kvcd.host.podtypes import (
     VERSION_LABEL,
     BuildSpec,
     ImageInfo,
+    PodmanApi,
     PodmanError,
     PodmanTimedOut,
 )
@@ -29,6 +34,20 @@ from kvcd.host.podtypes import (
 pytestmark = pytest.mark.integration
 
 KVER = "6.1.0-kvcd-test"
+
+
+Client = Union[type[Podman], type[PodmanChild]]  # a runtime alias: Python 3.9 has no X | Y
+
+
+@pytest.fixture(scope="module", params=["in-process", "helper"])
+def client_class(request: pytest.FixtureRequest) -> Client:
+    return Podman if request.param == "in-process" else PodmanChild
+
+
+@pytest.fixture(scope="module")
+def podman(podman_service: Any, client_class: Client) -> Iterator[PodmanApi]:
+    with client_class(podman_service.url, timeout=30) as client:
+        yield client
 
 
 def uniq(prefix: str) -> str:
@@ -60,7 +79,7 @@ def driver_context(where: Path, base: str, *, run: str = "true", extra: str = ""
 
 
 def build(
-    podman: Podman,
+    podman: PodmanApi,
     context: Path | str,
     tag: str,
     instance: str,
@@ -86,7 +105,7 @@ def containers(podman_api: Any) -> list[dict[str, Any]]:
 
 
 def test_build_from_directory_labels_and_streamed_output(
-    podman: Podman, podman_service: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, client_class: Client, podman_service: Any, base_image: str, tmp_path: Path
 ) -> None:
     instance = uniq("dir")
     ctx = driver_context(
@@ -101,7 +120,7 @@ def test_build_from_directory_labels_and_streamed_output(
         labels(instance),
     )
     # A build step silent for longer than the client's timeout is fine: builds wait for output.
-    with Podman(podman_service.url, timeout=1) as impatient:
+    with client_class(podman_service.url, timeout=1) as impatient:
         info = impatient.build(spec, lambda line: seen.append((time.monotonic(), line)))
     returned = time.monotonic()
 
@@ -119,7 +138,7 @@ def test_build_from_directory_labels_and_streamed_output(
     assert returned - started > 1.5
 
 
-def test_build_from_local_tarball(podman: Podman, base_image: str, tmp_path: Path) -> None:
+def test_build_from_local_tarball(podman: PodmanApi, base_image: str, tmp_path: Path) -> None:
     instance = uniq("tar")
     ctx = driver_context(tmp_path, base_image)
     tarball = tmp_path / "ctx.tar.gz"
@@ -131,7 +150,7 @@ def test_build_from_local_tarball(podman: Podman, base_image: str, tmp_path: Pat
 
 
 def test_build_with_containerfile_outside_context(
-    podman: Podman, base_image: str, tmp_path: Path
+    podman: PodmanApi, base_image: str, tmp_path: Path
 ) -> None:
     instance = uniq("cf")
     ctx = driver_context(tmp_path, base_image)
@@ -147,7 +166,7 @@ def test_build_with_containerfile_outside_context(
 
 
 def test_extract_gets_exactly_the_modules(
-    podman: Podman,
+    podman: PodmanApi,
     podman_api: Any,
     base_image: str,
     tmp_path: Path,
@@ -187,7 +206,7 @@ def test_extract_gets_exactly_the_modules(
 
 
 def test_extract_without_modules_fails_and_cleans_up(
-    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
     ctrs_before = {c["Id"] for c in containers(podman_api)}
     dest = tmp_path / "out" / "mods"
@@ -207,7 +226,7 @@ def test_extract_without_modules_fails_and_cleans_up(
 
 
 def test_gc_keeps_newest_of_one_instance_only(
-    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
     a, b = uniq("gca"), uniq("gcb")
     (tmp_path / "Containerfile").write_text(
@@ -244,7 +263,7 @@ def test_gc_keeps_newest_of_one_instance_only(
 
 
 def test_failed_build_keeps_previous_image(
-    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
     instance = uniq("fail")
     tag = f"localhost/kvcd-test/{instance}:1.0"
@@ -264,7 +283,7 @@ def test_failed_build_keeps_previous_image(
 
 
 def test_build_cancelled_by_on_line_leaves_nothing(
-    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
     instance = uniq("cancel")
     ctx = driver_context(tmp_path, base_image, run="echo go && sleep 2 && echo end")
@@ -288,7 +307,12 @@ def test_build_cancelled_by_on_line_leaves_nothing(
 
 
 def test_a_build_past_image_timeout_frees_kvcd_and_is_abandoned_after_its_step(
-    podman: Podman, podman_service: Any, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi,
+    client_class: Client,
+    podman_service: Any,
+    podman_api: Any,
+    base_image: str,
+    tmp_path: Path,
 ) -> None:
     """A build step that runs on past image_timeout: PodmanTimedOut at the limit, so the
     daemon is free again. podman 4.3 does not stop the step it is running when its client
@@ -301,7 +325,7 @@ def test_a_build_past_image_timeout_frees_kvcd_and_is_abandoned_after_its_step(
     tag = f"localhost/kvcd-test/{instance}:1"
     spec = BuildSpec(str(ctx), "Containerfile", tag, {"KVER": KVER}, labels(instance))
     started = time.monotonic()
-    impatient = Podman(podman_service.url, image_timeout=2)
+    impatient = client_class(podman_service.url, image_timeout=2)
     with impatient, pytest.raises(PodmanTimedOut, match="within image_timeout = 2 s"):
         impatient.build(spec, lambda line: None)
     assert time.monotonic() - started < 9
@@ -327,7 +351,7 @@ def running(cmdline: str) -> bool:
     return False
 
 
-def test_remote_context_errors_are_reported(podman: Podman) -> None:
+def test_remote_context_errors_are_reported(podman: PodmanApi) -> None:
     # No network here: this checks the wiring (podman's service clones / downloads itself).
     spec = BuildSpec("https://127.0.0.1:1/driver.git#main", "Containerfile", "localhost/x:1")
     with pytest.raises(PodmanError, match=r"cloning .*127\.0\.0\.1:1/driver\.git"):
@@ -337,7 +361,7 @@ def test_remote_context_errors_are_reported(podman: Podman) -> None:
         podman.build(spec, lambda line: None)
 
 
-def test_pull_failure_is_permanent_and_quick(podman: Podman) -> None:
+def test_pull_failure_is_permanent_and_quick(podman: PodmanApi) -> None:
     started = time.monotonic()
     with pytest.raises(PodmanError, match="localhost:1/nope"):
         podman.pull("localhost:1/nope:1", "localhost/kvcd-test/nope:1")
@@ -346,7 +370,7 @@ def test_pull_failure_is_permanent_and_quick(podman: Podman) -> None:
 
 
 def test_load_takes_one_image_archive_and_refuses_two(
-    podman: Podman, podman_service: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_service: Any, base_image: str, tmp_path: Path
 ) -> None:
     env = {**os.environ, **podman_service.env, "TMPDIR": str(podman_service.dir / "tmp")}
     one, two = tmp_path / "one.tar", tmp_path / "two.tar"
@@ -365,7 +389,7 @@ def test_load_takes_one_image_archive_and_refuses_two(
 
 
 def test_release_gives_back_only_what_no_one_else_names(
-    podman: Podman, base_image: str, tmp_path: Path
+    podman: PodmanApi, base_image: str, tmp_path: Path
 ) -> None:
     """imagelabels.release, on real podman: an image as kvcd pulls it (no kvcd label; its
     registry name and kvcd's per-kernel names), given back one kernel's tree at a time."""
@@ -393,14 +417,14 @@ def test_release_gives_back_only_what_no_one_else_names(
     podman.remove_image(theirs.id)
 
 
-def test_ping_and_missing_image(podman: Podman) -> None:
+def test_ping_and_missing_image(podman: PodmanApi) -> None:
     podman.ping()
     assert podman.get_image("localhost/kvcd-test/never-built:1") is None
     podman.remove_image("0" * 64)  # missing: nothing to do
 
 
 def test_extract_removes_what_a_killed_extraction_left(
-    podman: Podman, podman_api: Any, base_image: str, tmp_path: Path
+    podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
     """kill -9 during an extraction leaves a staging directory and a created container; the
     next extraction of that instance removes both, and not a live process's container."""

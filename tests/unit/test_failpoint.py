@@ -90,6 +90,20 @@ def test_a_point_fires_only_when_named_and_its_token_is_there(
         assert path.exists() == token
 
 
+def test_a_helper_hands_the_point_to_the_daemon_and_fires_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kills: list[tuple[int, int]]
+) -> None:
+    """In the podman helper (kvcd/host/podchild.py) the point goes to the daemon, whose own
+    hit() fires it (tests/integration/test_podchild.py): the token stays for it."""
+    token = arm(monkeypatch, tmp_path, "extract")
+    relayed: list[str] = []
+    monkeypatch.setattr(failpoint._relay, "send", relayed.append)
+    failpoint.hit("after:Load")  # not named: nothing relayed
+    failpoint.hit("extract")
+    assert relayed == ["extract"]
+    assert kills == [] and token.exists()
+
+
 def test_a_delay_kills_from_a_timer_while_the_work_goes_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -75,6 +75,9 @@ class FakePodman:
         self.calls.append(("gc", (instance, keep)))
         return []
 
+    def close(self) -> None:
+        pass
+
     def list_instance_images(self, instance: str) -> list[ImageInfo]:
         self._check()
         return [i for i in self.images.values() if i.labels.get("io.kvcd.instance") == instance]
@@ -133,8 +136,8 @@ def test_the_client_a_change_made_is_closed_with_it(
 ) -> None:
     """Instance's own podman clients (one per change) are closed when the change ends, however
     it ends: a daemon makes one per reload or force file, and one left to the garbage
-    collector holds its API socket open until a collection finds it."""
-    from kvcd.host import podman as podman_module
+    collector keeps its podman helper process running until a collection finds it."""
+    from kvcd.host import podchild
 
     made: list[FakePodman] = []
 
@@ -151,7 +154,7 @@ def test_the_client_a_change_made_is_closed_with_it(
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(podman_module, "Podman", Client)
+    monkeypatch.setattr(podchild, "PodmanChild", Client)
     inst = Instance(host, Settings(image_timeout=77.0), config(host), K)
     if fails:
         with pytest.raises(StepFailed):
