@@ -8,7 +8,8 @@
 2. full re-validation of --files managed files with nothing remembered (every file read and
    hashed), and a warm one (nothing changed since the last: stat clears what it can), each
    against a peer run interleaved beside it: just reading the same bytes (the floor any content
-   check pays).
+   check pays); and a second peer, reading and hashing them with sha256 on one thread (the
+   floor of a check that hashes, which a cold one must: nothing is remembered).
 3. idle CPU of the daemon's process (its watcher threads) over --idle seconds with nothing
    happening (must be ~0: no polling).
 
@@ -271,6 +272,15 @@ def bench_revalidate(files_: int, size: int, runs: int) -> dict[str, Any]:
                 p.read_bytes()
             return time.perf_counter() - t0
 
+        def hash_peer() -> float:
+            """The floor of a content check: the same bytes read and hashed (sha256, as kvcd
+            records them), one file after the other on one thread."""
+            buffer = bytearray(1 << 16)
+            t0 = time.perf_counter()
+            for p in tree.iterdir():
+                files.sha256_regular(str(p), buffer)
+            return time.perf_counter() - t0
+
         def check(cold: bool) -> float:
             if cold:
                 _forget(mon)
@@ -283,10 +293,17 @@ def bench_revalidate(files_: int, size: int, runs: int) -> dict[str, Any]:
         # A file written less than a few seconds ago is never cleared by stat alone (the
         # racy-timestamp rule): the warm figure is for files at rest.
         time.sleep(max(0.0, 2.5 - (time.time() - tree.stat().st_mtime)))
-        out: dict[str, list[float]] = {"cold": [], "warm": [], "peer_cold": [], "peer_warm": []}
+        out: dict[str, list[float]] = {
+            "cold": [],
+            "warm": [],
+            "peer_cold": [],
+            "peer_warm": [],
+            "peer_hash": [],
+        }
         check(False)
         for _ in range(runs):  # interleaved: each figure's peer runs beside it
             out["peer_cold"].append(peer())
+            out["peer_hash"].append(hash_peer())
             out["cold"].append(check(True))
             check(False)
             out["peer_warm"].append(peer())
@@ -336,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p50, p99 = pct(lat, 0.5) * ms, pct(lat, 0.99) * ms
     cold, warm = statistics.median(re["cold"]), statistics.median(re["warm"])
     peer_c, peer_w = statistics.median(re["peer_cold"]), statistics.median(re["peer_warm"])
+    peer_h = statistics.median(re["peer_hash"])
     what = f"{re['managed']} managed files, {args.files} x {args.size // 1024} KiB"
     peer = "reading the same bytes"
     figures = [
@@ -366,6 +384,24 @@ def main(argv: list[str] | None = None) -> int:
             cold / peer_c <= 1.5,
             peer,
             cold / peer_c,
+        ),
+        Figure(
+            "reading and hashing the same bytes (sha256, one thread; median)",
+            peer_h * ms,
+            "ms",
+            "",
+            None,
+            peer,
+            peer_h / peer_c,
+        ),
+        Figure(
+            "full re-validation, nothing remembered, against reading and hashing",
+            cold * ms,
+            "ms",
+            "",
+            None,
+            "reading and hashing the same bytes",
+            cold / peer_h,
         ),
         Figure(
             f"warm re-validation, nothing changed ({what}; median)",

@@ -105,7 +105,6 @@ class PodmanChild:
         self.timeout = timeout
         self.image_timeout = image_timeout
         self._child: run.Child | None = None
-        self._replies: IO[bytes] | None = None
         self._ended: weakref.finalize[[float], PodmanChild] | None = None
 
     # --- the helper's life -------------------------------------------------------------------
@@ -115,8 +114,8 @@ class PodmanChild:
         """The pid of the helper process (None: none runs)."""
         return None if self._child is None else self._child.pid
 
-    def _start(self) -> tuple[run.Child, IO[bytes]]:
-        if self._child is None or self._replies is None:
+    def _start(self) -> run.Child:
+        if self._child is None:
             config = {
                 "url": self.url,
                 "timeout": self.timeout,
@@ -130,19 +129,20 @@ class PodmanChild:
             except run.CommandError as exc:
                 raise PodmanUnavailable(f"cannot start the podman helper: {exc}") from exc
             child.sock.settimeout(SILENCE)
-            self._child, self._replies = child, child.sock.makefile("rb")
+            self._child = child
             # Never left running by a client nobody closed (a bug, or an exception on the way).
             self._ended = weakref.finalize(self, child.end, END_GRACE)
             log.debug("podman helper started (pid %d)", child.pid)
-        return self._child, self._replies
+        return self._child
 
-    def close(self) -> None:
-        """End the helper, if one runs (between calls: it reads EOF and exits)."""
-        self._end(END_GRACE)
+    def close(self) -> int | None:
+        """End the helper, if one runs (between calls: it reads EOF and exits); its exit
+        status (None: none ran)."""
+        return self._end(END_GRACE)
 
     def _end(self, grace: float) -> int | None:
         child, ended = self._child, self._ended
-        self._child = self._replies = self._ended = None
+        self._child = self._ended = None
         if child is None or ended is None:
             return None
         ended.detach()
@@ -167,7 +167,7 @@ class PodmanChild:
     ) -> Any:
         """Ask the helper for `op` and wait for its answer. `long`: a pull, build or image load
         (a stop may cut into the wait, as into podman's reply in-process)."""
-        child, replies = self._start()
+        child = self._start()
         request = (json.dumps({"op": op, "args": args}) + "\n").encode()
         try:
             try:
@@ -175,7 +175,7 @@ class PodmanChild:
                 child.sock.sendall(request[sent:])
             except OSError as exc:
                 raise _Lost(f"is gone ({exc})") from exc
-            for msg in self._messages(replies, long):
+            for msg in self._messages(child.replies, long):
                 if "ok" in msg:
                     return msg["ok"]
                 if "err" in msg:

@@ -123,7 +123,7 @@ class PodmanApi(Protocol):
 
     def gc(self, instance: str, keep: int, protect: Collection[str] = ()) -> list[ImageInfo]: ...
 
-    def close(self) -> None: ...
+    def close(self) -> object: ...  # (what it returns is its own business)
 
 
 def image_info(data: Mapping[str, Any]) -> ImageInfo:

@@ -194,11 +194,13 @@ class Child:
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self._proc = proc
         self.sock = sock
+        self.replies: IO[bytes] = sock.makefile("rb")  # what it writes, read line by line
         self.pid = proc.pid
 
     def end(self, grace: float) -> int:
         """Close kvcd's end (the helper reads EOF and exits), give it `grace` seconds, then
         SIGKILL it; reap it. Its exit status (negative: the signal that ended it). Idempotent."""
+        self.replies.close()  # else the socket stays open under it: no EOF for the helper
         self.sock.close()
         try:
             return self._proc.wait(grace)

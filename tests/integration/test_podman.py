@@ -1,6 +1,7 @@
-"""kvcd.host.podman against a real podman service (see conftest.py): each test twice, with
+"""kvcd.host.podman against a real podman service (see conftest.py): most tests twice, with
 Podman in this process and with PodmanChild, the daemon's podman helper process
-(kvcd/host/podchild.py), which must answer alike."""
+(kvcd/host/podchild.py), which must answer alike; those whose calls the others already send
+through the helper (more builds, the same kinds of answer) run in-process only."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ Client = Union[type[Podman], type[PodmanChild]]  # a runtime alias: Python 3.9 h
 @pytest.fixture(scope="module", params=["in-process", "helper"])
 def client_class(request: pytest.FixtureRequest) -> Client:
     return Podman if request.param == "in-process" else PodmanChild
+
+
+in_process_only = pytest.mark.parametrize("client_class", ["in-process"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +142,7 @@ def test_build_from_directory_labels_and_streamed_output(
     assert returned - started > 1.5
 
 
+@in_process_only
 def test_build_from_local_tarball(podman: PodmanApi, base_image: str, tmp_path: Path) -> None:
     instance = uniq("tar")
     ctx = driver_context(tmp_path, base_image)
@@ -149,6 +154,7 @@ def test_build_from_local_tarball(podman: PodmanApi, base_image: str, tmp_path: 
     assert podman.list_instance_images(instance) == [info]
 
 
+@in_process_only
 def test_build_with_containerfile_outside_context(
     podman: PodmanApi, base_image: str, tmp_path: Path
 ) -> None:
@@ -351,6 +357,7 @@ def running(cmdline: str) -> bool:
     return False
 
 
+@in_process_only
 def test_remote_context_errors_are_reported(podman: PodmanApi) -> None:
     # No network here: this checks the wiring (podman's service clones / downloads itself).
     spec = BuildSpec("https://127.0.0.1:1/driver.git#main", "Containerfile", "localhost/x:1")
@@ -388,6 +395,7 @@ def test_load_takes_one_image_archive_and_refuses_two(
         podman.load(fh, str(two))
 
 
+@in_process_only
 def test_release_gives_back_only_what_no_one_else_names(
     podman: PodmanApi, base_image: str, tmp_path: Path
 ) -> None:
@@ -423,6 +431,7 @@ def test_ping_and_missing_image(podman: PodmanApi) -> None:
     podman.remove_image("0" * 64)  # missing: nothing to do
 
 
+@in_process_only
 def test_extract_removes_what_a_killed_extraction_left(
     podman: PodmanApi, podman_api: Any, base_image: str, tmp_path: Path
 ) -> None:
