@@ -13,7 +13,7 @@ import socket
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -126,6 +126,21 @@ def test_an_archive_goes_to_the_helper_open_never_by_its_path(api: FakeAPI, tmp_
     assert api.bodies[0] == b"the archive kvcd opened" * 1000
 
 
+def endless_build(line: bytes, hung_up: threading.Event) -> Callable[[socket.socket], None]:
+    """A build answer that sends `line` forever, and sets `hung_up` once the client hangs up."""
+
+    def answer(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                conn.sendall(chunk(b'{"stream":"' + line + b'\\n"}\n'))
+                time.sleep(0.05)
+        except OSError:
+            hung_up.set()
+
+    return answer
+
+
 def test_a_stop_cuts_into_a_build_and_ends_the_helper(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,16 +148,7 @@ def test_a_stop_cuts_into_a_build_and_ends_the_helper(
     the daemon's does): Interrupted at once, the helper killed, podman's connection dropped;
     meanwhile the wait was one the keepalive pushes systemd's start timeout for."""
     hung_up = threading.Event()
-
-    def endless(conn: socket.socket) -> None:
-        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        try:
-            while True:
-                conn.sendall(chunk(b'{"stream":"make: still compiling\\n"}\n'))
-                time.sleep(0.05)
-        except OSError:
-            hung_up.set()
-
+    endless = endless_build(b"make: still compiling", hung_up)
     waiting: list[bool] = []
     lines: list[str] = []
     previous = signal.signal(signal.SIGALRM, lambda *_: interrupt.request())
@@ -169,15 +175,7 @@ def test_a_stop_cuts_into_a_build_and_ends_the_helper(
 
 def test_a_failing_on_line_ends_the_helper_and_so_the_build(tmp_path: Path) -> None:
     hung_up = threading.Event()
-
-    def endless(conn: socket.socket) -> None:
-        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        try:
-            while True:
-                conn.sendall(chunk(b'{"stream":"STEP 1/2: FROM x\\n"}\n'))
-                time.sleep(0.05)
-        except OSError:
-            hung_up.set()
+    endless = endless_build(b"STEP 1/2: FROM x", hung_up)
 
     class Stop(Exception):
         pass
