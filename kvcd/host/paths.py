@@ -99,6 +99,18 @@ class HostRoot:
         return self.runtime / ".firmware.lock"
 
     @property
+    def libraries_proof(self) -> Path:
+        """Node-wide, for this boot: the installation of the libraries a child last proved
+        importable (kvcd/daemon/libraries.py), so that one proof serves every start."""
+        return self.runtime / ".libraries.json"
+
+    @property
+    def libraries_lock(self) -> Path:
+        """Node-wide: held while an instance proves the libraries, so that twenty instances
+        starting at once run one child, not twenty."""
+        return self.runtime / ".libraries.lock"
+
+    @property
     def firmware_search_path(self) -> Path:
         """The kernel's custom firmware directory (firmware_class.path), searched first."""
         return self("/sys/module/firmware_class/parameters/path")

@@ -21,7 +21,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -204,6 +204,27 @@ def require_all_in_child(timeout: float = CHILD_TIMEOUT) -> None:
         return None
 
     require_all(answered)
+
+
+def installation(path: Sequence[str] | None = None) -> str:
+    """What a proof that the required libraries import holds for, as a digest (sha256, hex):
+    this interpreter (its version, and its file's identity and times), the modules proved, and
+    each directory the imports search (`path`, default sys.path) with its identity and times.
+    Installing, upgrading or removing a package adds or removes an entry of its directory,
+    which changes that directory's mtime and ctime, so the digest changes with it. A relative
+    entry ("" of `python -c`) is the current directory, as for the imports; what changes
+    outside these directories (a shared library a package loads) is seen at the next boot."""
+    import hashlib
+
+    lines = [sys.version, *(p.module for r in REQUIRED for p in r.packages)]
+    for entry in [sys.executable, *(sys.path if path is None else path)]:
+        try:
+            st = os.stat(entry or ".")
+        except OSError as exc:
+            lines.append(f"{entry!r} {exc.errno}")
+            continue
+        lines.append(f"{entry!r} {st.st_dev} {st.st_ino} {st.st_mtime_ns} {st.st_ctime_ns}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def setting_problem(

@@ -78,25 +78,30 @@ def settled_daemon(
     also: str | None = None,
     build: tuple[str, Path] | None = None,
     kernel: str = K,
+    said: str | None = None,
 ) -> tuple[set[str], dict[str, object]]:
     """(modules imported, record) of a `kvcd run e2e` whose late hooks have run in a cycle
     that left the record in state `want` (the library proof ends beside the loop: a broken
     library is Degraded in the cycle its event wakes), and host file `also` exists. With
     `build` (the podman service's URL, a build context), its start on `kernel` builds and
-    extracts version 1.0; else 1.0 is in the store already (a cached start)."""
+    extracts version 1.0; else 1.0 is in the store already (a cached start). A second call on
+    the same `tmp` starts it again on the same root. With `said`, it runs with -v and until
+    its log says that."""
     root = HostRoot(tmp / "root")
-    fakehost.make_host(root, kernel)
-    if build is None:
-        fakehost.store_version(root, "e2e", "1.0", kernel, MODS)
-        fakehost.write_config(root, "e2e", CONFIG)
-    else:
-        url, context = build
-        fakehost.write(root.main_config, f'podman_socket = "{url}"\n')
-        fakehost.write_config(root, "e2e", CONFIG.replace("/src", str(context)))
     bindir = tmp / "bin"
-    bindir.mkdir()
-    for name, body in fakehost.SCRIPTS.items():
-        fakehost.write_command(bindir, name, body, tmp / "calls.log")
+    if not root.root.exists():
+        fakehost.make_host(root, kernel)
+        if build is None:
+            fakehost.store_version(root, "e2e", "1.0", kernel, MODS)
+            fakehost.write_config(root, "e2e", CONFIG)
+        else:
+            url, context = build
+            fakehost.write(root.main_config, f'podman_socket = "{url}"\n')
+            fakehost.write_config(root, "e2e", CONFIG.replace("/src", str(context)))
+        bindir.mkdir()
+        (tmp / "cwd").mkdir()  # its sys.path[0]: a directory nothing writes to between starts
+        for name, body in fakehost.SCRIPTS.items():
+            fakehost.write_command(bindir, name, body, tmp / "calls.log")
     to = tmp / "modules.json"
     env = {
         **os.environ,
@@ -108,9 +113,11 @@ def settled_daemon(
     env.pop("NOTIFY_SOCKET", None)
     with open(tmp / "stderr", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-c", PROBE, "--root", str(root.root), "run", "e2e"],
+            [sys.executable, "-c", PROBE, "--root", str(root.root)]
+            + (["-v"] if said else [])
+            + ["run", "e2e"],
             env=env,
-            cwd=tmp,
+            cwd=tmp / "cwd",
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
@@ -120,7 +127,11 @@ def settled_daemon(
         while proc.poll() is None and time.monotonic() < deadline:
             if to.exists():
                 record = json.loads(root.state_file("e2e").read_text())
-                if record.get("state") == want and (also is None or root(also).exists()):
+                if (
+                    record.get("state") == want
+                    and (also is None or root(also).exists())
+                    and (said is None or said in (tmp / "stderr").read_text())
+                ):
                     break
             time.sleep(0.05)
         assert to.exists(), (tmp / "stderr").read_text()[-3000:]
@@ -146,6 +157,20 @@ def test_a_settled_daemon_has_proven_its_libraries_without_importing_them(
     # The metrics textfile, written by a child with prometheus_client.
     text = (tmp_path / "root" / prom.lstrip("/")).read_text()
     assert 'kvcd_instance_state{instance="e2e",state="Done"} 1.0' in text
+
+
+def test_a_start_in_the_same_boot_does_not_prove_the_libraries_again(tmp_path: Path) -> None:
+    """The first start's child proved them, and the runtime directory remembers it for this
+    installation: the next start (a restart, another instance) starts no child."""
+    root = HostRoot(tmp_path / "root")
+    settled_daemon(tmp_path, [], also="/run/kvcd/.libraries.json")
+    first = json.loads(root.libraries_proof.read_text())
+    assert first["instance"] == "e2e" and len(first["installation"]) == 64, first
+    _, record = settled_daemon(tmp_path, [], said="library check: proven in this boot")
+    assert record["state"] == "Done", record
+    assert json.loads(root.libraries_proof.read_text()) == first  # not proved again
+    stderr = (tmp_path / "stderr").read_text()
+    assert f"library check: proven in this boot by e2e (pid {first['pid']})" in stderr
 
 
 def test_a_daemon_that_built_its_image_keeps_none_of_podman_py(

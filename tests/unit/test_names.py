@@ -152,6 +152,9 @@ def node_files(root: HostRoot) -> set[Path]:
     return {
         root.owners_lock,
         root.module_lock,
+        root.firmware_lock,
+        root.libraries_proof,
+        root.libraries_lock,
         driftstore.depmod_record_path(root, K),
         node_file(root),
     }
@@ -159,7 +162,7 @@ def node_files(root: HostRoot) -> set[Path]:
 
 # Names made of kvcd's own suffixes and node-wide names: where a collision would come from.
 PARTS = ["a", "modules", "depmod", "node", "reload", "reloaded", "lock", "drift", "links", "json"]
-PARTS += ["metrics"]
+PARTS += ["metrics", "libraries", "firmware"]
 PARTS += ["pid", "force", "unsaved", "-", ".", K]
 
 

@@ -5,6 +5,7 @@ packaging (pyproject.toml, rpm.spec) lists the same set; `kvcd status` shows eac
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import threading
@@ -304,12 +305,12 @@ def test_a_required_library_that_is_installed_but_broken_degrades_the_running_in
 
 
 def test_a_library_check_without_an_answer_is_asked_again_and_degrades_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A child still importing when the wait ends proves nothing: the proof asks again, waiting
     twice as long, and only an answer decides (here: every library imports)."""
     from kvcd.daemon import libraries
-    from kvcd.daemon.events import Context, Mailbox
+    from kvcd.daemon.events import Mailbox
 
     waits: list[float] = []
 
@@ -320,13 +321,195 @@ def test_a_library_check_without_an_answer_is_asked_again_and_degrades_nothing(
 
     monkeypatch.setattr(libraries.pylibs, "require_all_in_child", slow_then_fine)
     mail = Mailbox()
-    cfg: Any = None  # the proof reads neither the config nor the settings
-    ctx = Context(HostRoot(Path("/nonexistent")), "e2e", K, cfg, cfg, mail.post)
     proof = libraries.LibraryProof()
-    proof._prove(ctx)
+    proof._prove(_proof_context(HostRoot(tmp_path), "e2e", mail.post))
     assert waits == [pylibs.CHILD_TIMEOUT, 2 * pylibs.CHILD_TIMEOUT, 4 * pylibs.CHILD_TIMEOUT]
     assert proof.problem is None
     assert mail.drain() == []
+
+
+# --- one proof per boot and installation -------------------------------------------------------
+
+
+def _proof_context(root: HostRoot, name: str, post: Any = None) -> Any:
+    from kvcd.daemon.events import Context
+
+    cfg: Any = None  # the proof reads neither the config nor the settings
+    return Context(root, name, K, cfg, cfg, post or (lambda event: None))
+
+
+class Children:
+    """A stand-in for the child interpreter: counts the proofs; `missing` makes them fail."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, missing: str = "") -> None:
+        from kvcd.daemon import libraries
+
+        self.calls = 0
+        self.missing = missing
+        monkeypatch.setattr(libraries.pylibs, "require_all_in_child", self)
+
+    def __call__(self, timeout: float = 0) -> None:
+        self.calls += 1
+        if self.missing:
+            raise pylibs.Missing(self.missing)
+
+
+def _prove(root: HostRoot, name: str) -> Any:
+    from kvcd.daemon import libraries
+
+    proof = libraries.LibraryProof()
+    proof._prove(_proof_context(root, name))
+    return proof
+
+
+def test_one_proof_serves_every_start_of_the_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart, another instance, a reload to a new config: none starts the child again while
+    the installation is the one proved (the child is a second of CPU and 50 MiB on hardware)."""
+    root = HostRoot(tmp_path)
+    children = Children(monkeypatch)
+    for name in ("a", "a", "b"):
+        assert _prove(root, name).problem is None
+    assert children.calls == 1
+    memo = json.loads(root.libraries_proof.read_text())
+    assert memo == {"installation": pylibs.installation(), "instance": "a", "pid": os.getpid()}
+
+
+def test_twenty_instances_starting_at_once_run_one_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first holds the lock while its child imports; the others wait for it, then find the
+    proof remembered."""
+    root = HostRoot(tmp_path)
+    children = Children(monkeypatch)
+    importing = threading.Event()
+    release = threading.Event()
+
+    def slow(timeout: float = 0) -> None:
+        importing.set()
+        release.wait(30)
+        children(timeout)
+
+    from kvcd.daemon import libraries
+
+    monkeypatch.setattr(libraries.pylibs, "require_all_in_child", slow)
+    first = threading.Thread(target=_prove, args=(root, "f00"))
+    first.start()
+    assert importing.wait(30)
+    others = [threading.Thread(target=_prove, args=(root, f"f{i:02d}")) for i in range(1, 20)]
+    for t in others:
+        t.start()
+    release.set()
+    for t in [first, *others]:
+        t.join(30)
+    assert children.calls == 1
+
+
+def test_a_changed_installation_is_proved_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installing, upgrading or removing a package changes the directory it is in."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    root = HostRoot(tmp_path / "host")
+    children = Children(monkeypatch)
+    _prove(root, "a")
+    (site / "podman-5.0.0.dist-info").mkdir()  # an upgrade adds its new metadata ...
+    _prove(root, "a")
+    (site / "podman-5.0.0.dist-info").rmdir()  # ... a removal takes it away
+    _prove(root, "a")
+    _prove(root, "a")
+    assert children.calls == 3
+
+
+def test_a_failed_proof_is_not_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each instance proves it again, so each says it (Degraded with the import error)."""
+    root = HostRoot(tmp_path)
+    why = "kvcd needs the Python package 'pyudev' (RPM python3-pyudev) for udev: gone"
+    children = Children(monkeypatch, missing=why)
+    assert [_prove(root, name).problem for name in ("a", "b")] == [why, why]
+    assert children.calls == 2
+    assert not root.libraries_proof.exists()
+    children.missing = ""  # fixed: the next start proves it, and that is remembered
+    assert _prove(root, "a").problem is None
+    assert _prove(root, "b").problem is None
+    assert children.calls == 3
+
+
+@pytest.mark.parametrize(
+    ("memo", "said"),
+    [
+        ("not json", "is not valid JSON"),
+        ('["installation"]', ""),
+        ('{"installation": "another interpreter"}', ""),
+        ("symlink", "is a symlink"),
+        ("fifo", "is a FIFO"),
+    ],
+)
+def test_a_memo_kvcd_did_not_write_for_this_installation_proves_nothing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    memo: str,
+    said: str,
+) -> None:
+    """Damaged, another installation's, or not a regular file: proved again. What is not
+    kvcd's regular file is said, and left as it is (a symlink's target is not written)."""
+    root = HostRoot(tmp_path / "host")
+    root.runtime.mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_text("someone else's\n")
+    if memo == "symlink":
+        root.libraries_proof.symlink_to(target)
+    elif memo == "fifo":
+        os.mkfifo(root.libraries_proof)
+    else:
+        root.libraries_proof.write_text(memo)
+    children = Children(monkeypatch)
+    assert _prove(root, "a").problem is None
+    assert children.calls == 1
+    assert target.read_text() == "someone else's\n"
+    if said:
+        assert said in caplog.text
+    if memo in ("symlink", "fifo"):
+        assert not root.libraries_proof.is_file() or root.libraries_proof.is_symlink()
+    else:  # replaced by this proof
+        assert json.loads(root.libraries_proof.read_text())["installation"] == (
+            pylibs.installation()
+        )
+        assert _prove(root, "a").problem is None and children.calls == 1
+
+
+def test_a_lock_kvcd_cannot_take_still_proves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A symlink where the lock goes: said, not followed, and the proof runs (remembering
+    nothing), so the instance still learns whether its libraries import."""
+    root = HostRoot(tmp_path / "host")
+    root.runtime.mkdir(parents=True)
+    target = tmp_path / "target"
+    root.libraries_lock.symlink_to(target)
+    children = Children(monkeypatch)
+    assert _prove(root, "a").problem is None
+    assert _prove(root, "a").problem is None
+    assert children.calls == 2
+    assert not target.exists() and not root.libraries_proof.exists()
+    assert "is a symlink; proving without it" in caplog.text
+
+
+def test_the_installation_is_the_interpreter_and_every_import_directory(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    base = pylibs.installation([str(one), str(two)])
+    assert pylibs.installation([str(one), str(two)]) == base
+    assert pylibs.installation([str(two), str(one)]) != base  # the search order matters
+    assert pylibs.installation([str(one)]) != base
+    assert pylibs.installation([str(one), str(two), str(tmp_path / "gone")]) != base
+    (two / "pkg").mkdir()
+    assert pylibs.installation([str(one), str(two)]) != base
 
 
 def test_run_refuses_the_kubernetes_backend_without_its_client(
