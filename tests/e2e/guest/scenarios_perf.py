@@ -11,6 +11,8 @@ time (the goals are read from the table), only correctness.
      "instance" modules must be the same, and modprobe must resolve each of them.
 (p3) `kvcd status`, `kvcd check-config` and `python3 -c pass`: wall time, median of five.
 (p4) the daemon's tasks, RSS and PSS 20 s after a start.
+(p5) where a start's time goes before any work: importing the modules a start imports, and of
+     that, creating their dataclasses (Python compiles each generated method at import).
 Twenty instances on one node: bench_fleet.py; beside KVC's own unit: bench_kvc.py (make
 bench-guest).
 """
@@ -208,6 +210,60 @@ def test_p3_cli_start_up() -> None:
     for verb in (["status"], ["check-config", "e2e-kmod"], ["capabilities"]):
         wall = _median_wall(["kvcd", *verb])
         figure(f"kvcd {' '.join(verb)} ({wall / floor:.1f}x the floor)", wall, f"perf_{verb[0]}")
+
+
+# The modules a cached start has imported when its modules are live: the CLI, the service and
+# the instance, and the extensions a plain instance runs (kvcd/daemon/extensions.py).
+START_IMPORTS = (
+    "kvcd.cli",
+    "kvcd.daemon.service",
+    "kvcd.daemon.instance",
+    "kvcd.daemon.executor",
+    "kvcd.daemon.drift",
+    "kvcd.daemon.drain",
+    "kvcd.daemon.report",
+    "kvcd.daemon.nextkernel",
+    "kvcd.daemon.libraries",
+    "kvcd.daemon.metrics",
+    "kvcd.host.systemd",
+)
+# Prints: seconds importing them (dataclasses itself included), seconds creating dataclasses,
+# how many were created.
+_IMPORT_PROBE = """
+import sys, time
+t0 = time.perf_counter()
+import dataclasses
+made, spent = dataclasses._process_class, [0.0, 0]
+def timed(cls, *args, **kwargs):
+    t = time.perf_counter()
+    try:
+        return made(cls, *args, **kwargs)
+    finally:
+        spent[0] += time.perf_counter() - t
+        spent[1] += 1
+dataclasses._process_class = timed
+for name in sys.argv[1:]:
+    __import__(name)
+print(time.perf_counter() - t0, spent[0], spent[1])
+"""
+
+
+def test_p5_where_a_start_goes_before_its_work() -> None:
+    runs = []
+    for _ in range(5):
+        out = subprocess.run(
+            ["python3", "-c", _IMPORT_PROBE, *START_IMPORTS],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        runs.append([float(x) for x in out.stdout.split()])
+    imports = statistics.median(r[0] for r in runs)
+    classes = statistics.median(r[1] for r in runs)
+    count = int(runs[0][2])
+    assert count > 0, runs  # the probe saw the decorator at work
+    figure("a start's imports, beyond the floor (median of 5)", imports, "perf_start_imports")
+    figure(f"of which creating their {count} dataclasses", classes, "perf_start_dataclasses")
 
 
 def _largest_files(pid: int, n: int = 6) -> str:
