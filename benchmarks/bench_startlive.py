@@ -23,7 +23,8 @@ figures show what the same start costs on hardware, and where it goes.
 
 Usage: .venv/bin/python -m benchmarks.bench_startlive [--runs N] [--settled N] [--settle S]
     [--json FILE]
-About 30 s on a 2-core host (set-up and the first start's build ~15 s, then ~1 s a start).
+About 55 s on a 2-core host (set-up and the first start's build ~15 s, then ~1 s a start, ~5 s a
+settled one).
 """
 
 from __future__ import annotations
