@@ -72,6 +72,8 @@ REQUIRED: tuple[Requirement, ...] = (
     Requirement("link readiness (netlink)", (PYROUTE2,)),
     Requirement("metrics (Prometheus text format)", (PROMETHEUS,)),
 )
+# What the child of require_all_in_child imports, and what its proof is remembered for.
+REQUIRED_MODULES = tuple(p.module for r in REQUIRED for p in r.packages)
 NODE_KUBERNETES = Requirement("node backend kubernetes", (KUBERNETES,))
 RPMOSTREE_DBUS = Requirement("rpm-ostree D-Bus", (PYDBUS, PYGOBJECT))
 # The shutdown inhibitor speaks to logind with GLib's own D-Bus (Gio): the lock is a file
@@ -184,8 +186,7 @@ def require_all_in_child(timeout: float = CHILD_TIMEOUT) -> None:
     problem; one still importing after `timeout` seconds is stopped and NoAnswer raised."""
     from kvcd.host import run
 
-    modules = [p.module for r in REQUIRED for p in r.packages]
-    argv = [sys.executable, "-c", _PROBE, json.dumps(sys.path), *modules]
+    argv = [sys.executable, "-c", _PROBE, json.dumps(sys.path), *REQUIRED_MODULES]
     try:
         done = run.run(argv, timeout=timeout)
     except run.CommandError as exc:
@@ -216,7 +217,7 @@ def installation(path: Sequence[str] | None = None) -> str:
     outside these directories (a shared library a package loads) is seen at the next boot."""
     import hashlib
 
-    lines = [sys.version, *(p.module for r in REQUIRED for p in r.packages)]
+    lines = [sys.version, *REQUIRED_MODULES]
     for entry in [sys.executable, *(sys.path if path is None else path)]:
         try:
             st = os.stat(entry or ".")
