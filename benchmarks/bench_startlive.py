@@ -30,6 +30,7 @@ settled one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import socket
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.bench_soak import NAME, Daemon, done, scratch_host
@@ -52,36 +54,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def one_start(d: Daemon, notify: socket.socket, sock_path: str) -> dict[str, float]:
-    """Start the daemon, wait for READY=1, read the times, stop it (it unloads)."""
-    env = {**d.env, "NOTIFY_SOCKET": sock_path}
-    t0 = time.time_ns()
-    proc = subprocess.Popen(
-        [*d.cli, "run", d.name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        notify.settimeout(120)
-        while True:
-            msg = notify.recv(4096).decode(errors="replace")
-            if "READY=1" in msg.split("\n"):
-                ready = time.time_ns()
-                cpu = cpu_seconds(proc.pid)
-                break
-        live = max((d.root.sys_module / m / "initstate").stat().st_mtime_ns for m in MODULES)
-        return {
-            "start_to_live_s": (live - t0) / 1e9,
-            "live_to_ready_s": (ready - live) / 1e9,
-            "start_to_ready_s": (ready - t0) / 1e9,
-            "cpu_at_ready_s": cpu,
-        }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def settled_start(d: Daemon, notify: socket.socket, sock_path: str, settle: float) -> float:
-    """CPU seconds of one start left to settle for `settle` s, its children included."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+@contextlib.contextmanager
+def started(d: Daemon, notify: socket.socket, sock_path: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The daemon started and READY=1 received; stopped (it unloads) when the block ends."""
     proc = subprocess.Popen(
         [*d.cli, "run", d.name],
         env={**d.env, "NOTIFY_SOCKET": sock_path},
@@ -92,10 +67,32 @@ def settled_start(d: Daemon, notify: socket.socket, sock_path: str, settle: floa
         notify.settimeout(120)
         while "READY=1" not in notify.recv(4096).decode(errors="replace").split("\n"):
             pass
-        time.sleep(settle)
+        yield proc
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def one_start(d: Daemon, notify: socket.socket, sock_path: str) -> dict[str, float]:
+    """Start the daemon, wait for READY=1, read the times, stop it."""
+    t0 = time.time_ns()
+    with started(d, notify, sock_path) as proc:
+        ready = time.time_ns()
+        cpu = cpu_seconds(proc.pid)
+        live = max((d.root.sys_module / m / "initstate").stat().st_mtime_ns for m in MODULES)
+    return {
+        "start_to_live_s": (live - t0) / 1e9,
+        "live_to_ready_s": (ready - live) / 1e9,
+        "start_to_ready_s": (ready - t0) / 1e9,
+        "cpu_at_ready_s": cpu,
+    }
+
+
+def settled_start(d: Daemon, notify: socket.socket, sock_path: str, settle: float) -> float:
+    """CPU seconds of one start left to settle for `settle` s, its children included."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with started(d, notify, sock_path):
+        time.sleep(settle)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
