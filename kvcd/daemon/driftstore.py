@@ -18,14 +18,12 @@ from typing import Any, TypeVar
 
 from kvcd.core import drift as core
 from kvcd.daemon import store
-from kvcd.host import files, modtree
+from kvcd.host import files, kmod, modtree
 from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
 
 
-# Inputs kvcd copies into the kernel directory (kmod._COPIED); not depmod's output.
-COPIED_INPUTS = frozenset({"modules.builtin", "modules.builtin.modinfo", "modules.order"})
 MODULE_SUFFIXES = modtree.MODULE_SUFFIXES
 _CHUNK = 1 << 20
 
@@ -382,7 +380,7 @@ _INDEX_RE = re.compile(r"modules(?:\.[A-Za-z_]+)+")
 def is_depmod_output(name: str) -> bool:
     return (
         _INDEX_RE.fullmatch(name) is not None
-        and name not in COPIED_INPUTS
+        and name not in kmod.INDEX_INPUTS
         and not name.endswith(".tmp")
     )
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from kvcd.host import failpoint, files, kmsg
 from kvcd.host.paths import HostRoot
-from kvcd.host.run import CommandError, run
+from kvcd.host.run import CommandError, Completed, run
 from kvcd.host.sysmodule import check_name, is_name, normalize, read_module
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,9 @@ SYSTEM_DEPMOD_DIRS = (
     "/usr/lib/depmod.d",
     "/lib/depmod.d",
 )
+# Files depmod reads from a kernel directory instead of generating them (kvcd's tree holds
+# copies of the system's).
+INDEX_INPUTS = ("modules.builtin", "modules.builtin.modinfo", "modules.order")
 _PARAM_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _INSMOD_RE = re.compile(r"^insmod (.+?\.ko(?:\.(?:xz|gz|zst))?)(?: .*)?$")
 _KO_SUFFIX_RE = re.compile(r"\.ko(\.\w+)?$")
@@ -168,21 +171,25 @@ def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[
     checks every symbol (`-e -E`); the problems it found are returned.
     """
     check_name("kernel version", kernel)
-    argv = ["depmod", "-b", str(root.module_root)]
+    options: list[str] = []
     for conf in _depmod_config(root):
-        argv += ["-C", str(conf)]
+        options += ["-C", str(conf)]
     if symvers is not None:
-        argv += ["-e", "-E", str(symvers)]
-    argv.append(kernel)
+        options += ["-e", "-E", str(symvers)]
     with tree_lock(root):
+        scope = None
         if not root.system_tree:  # the system's own tree keeps the system's whole index
             from kvcd.host import modindex
 
+            _remove(_scratch(root))  # a killed depmod's: every depmod holds the lock
             scope = modindex.scope(root.kernel_dir(kernel), kernel)
-            argv += [str(p) for p in scope or ()]
         failpoint.hit("depmod")
         try:
-            done = run(argv)
+            if scope == []:
+                done = _index_nothing(root, kernel, options)
+            else:
+                argv = ["depmod", "-b", str(root.module_root), *options, kernel]
+                done = run([*argv, *(str(p) for p in scope or ())])
         except CommandError as exc:
             raise DepmodError(kernel, root.module_root, last_line(exc.stderr)) from exc
     problems = []
@@ -194,6 +201,48 @@ def depmod(root: HostRoot, kernel: str, *, symvers: Path | None = None) -> list[
         elif line.strip():
             log.debug("depmod %s: %s", kernel, line)
     return problems
+
+
+def _index_nothing(root: HostRoot, kernel: str, options: Sequence[str]) -> Completed:
+    """Give `kernel`'s tree the index of a tree without modules: what the targeted index is when
+    no module in it is kvcd's (the last instance left). depmod given no file indexes the whole
+    tree instead, every in-tree module of the mirror, so it runs over a scratch tree holding only
+    the index inputs, beside kvcd's tree, and its indexes replace the tree's one by one, each
+    whole (as depmod renames its own). Called under :func:`tree_lock`."""
+    kdir = root.kernel_dir(kernel)
+    base = _scratch(root)
+    scratch = base / "lib" / "modules" / kernel
+    try:
+        scratch.mkdir(parents=True)
+        for name in INDEX_INPUTS:
+            if (kdir / name).is_file():
+                os.symlink(kdir / name, scratch / name)
+        done = run(["depmod", "-b", str(base), *options, kernel])
+        for entry in sorted(os.scandir(scratch), key=lambda e: e.name):
+            if entry.name not in INDEX_INPUTS and entry.is_file(follow_symlinks=False):
+                mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+                files.atomic_write(kdir / entry.name, Path(entry.path).read_bytes(), mode)
+    finally:
+        _remove(base)
+    return done
+
+
+def _scratch(root: HostRoot) -> Path:
+    return root.module_root / ".depmod-scratch"
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory tree, or whatever else is there: a symlink itself, never its target."""
+    import shutil
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 DEPMOD_CONF = (

@@ -16,7 +16,8 @@ The index is then the full index's restriction to those modules: each line of mo
 instance module is the same as a full depmod writes (tests/integration/test_kmod.py and the
 guest prove it against a full depmod, and modprobe resolving every dependency). Without the
 system's index (no modules.dep for that kernel) :func:`scope` returns None and depmod indexes
-the whole tree, as before.
+the whole tree, as before; with no module of kvcd's it returns [], and the index is of nothing
+(:func:`kvcd.host.kmod.depmod`).
 """
 
 from __future__ import annotations

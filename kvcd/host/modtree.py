@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvcd.host import files
 from kvcd.host.kmod import (
+    INDEX_INPUTS,
     KernelTreeMissing,
     KmodError,
     StoreMissing,
@@ -31,8 +32,6 @@ _NOT_MIRRORED = frozenset({"build", "source", "extra", "weak-updates"})
 # Inside kvcd's own weak-updates/: the link to the system's weak-updates/ (RHEL weak-modules'
 # links of the host's kmod packages). A leading dot: no instance can be called that.
 _SYSTEM_WEAK = ".system"
-# Files depmod reads from the kernel directory instead of generating them.
-_COPIED = ("modules.builtin", "modules.builtin.modinfo", "modules.order")
 # --- the module root ---------------------------------------------------------------------
 
 
@@ -103,7 +102,7 @@ def _mirror(system: Path, tree: Path) -> Path:
 
     _mirror_weak_updates(system, tree)
 
-    for name in _COPIED:
+    for name in INDEX_INPUTS:
         src, dst = system / name, tree / name
         if src.is_file():
             _copy_if_changed(src, dst)

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvcd.daemon import driftcheck, driftstore
 from kvcd.host import kmod, modfiles, modtree, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.host.run import run
@@ -144,10 +146,10 @@ def test_instance_module_wins_over_a_same_named_system_module(
     deps = kmod.show_depends(root, k, "kvcd_user")
     assert deps[0] == str(tree / "extra" / INSTANCE / "kvcd_base.ko")
     assert modfiles.modinfo(Path(deps[0]))["version"] == ["1.0"]
-    # Without the instance, the system's updates/ copy beats its kernel/ copy.
-    modtree.deactivate(root, k, INSTANCE)
+    # Without the instance's copy, the system's updates/ copy beats its kernel/ copy.
+    modtree.activate(root, k, INSTANCE, make_store(root, "2.0", k, [kmods.user]))
     kmod.depmod(root, k)
-    assert kmod.show_depends(root, k, "kvcd_base") == [str(tree / "updates" / "kvcd_base.ko")]
+    assert kmod.show_depends(root, k, "kvcd_user")[0] == str(tree / "updates" / "kvcd_base.ko")
 
 
 def test_modinfo_reads_version_and_vermagic(kmods: BuiltKmods, kmods_v2: BuiltKmods) -> None:
@@ -346,6 +348,48 @@ def test_depmod_indexes_the_instance_and_what_it_needs_the_same_as_a_full_depmod
     assert "kvcd_bad" in (full_tree / "modules.dep").read_text()  # the whole tree
     assert _dep_lines(tree, "extra/") == _dep_lines(full_tree, "extra/") != {}
     assert (tree / "modules.symbols").read_text() != ""
+
+
+def test_with_no_instance_module_left_the_index_is_of_nothing_not_of_the_whole_tree(
+    tmp_path: Path, kmods: BuiltKmods
+) -> None:
+    """The last instance leaves the tree: depmod given no file indexes every in-tree module of
+    the mirror (~4,000 on Debian 12: 19-35 s in the CI guest, for an index nothing looks up),
+    so the tree gets the index of a tree without modules: the same as the drift check
+    regenerates for it; the scratch tree, or what a killed depmod left in its place, is gone."""
+    root = HostRoot(tmp_path)
+    k = kmods.kernel
+    make_system(root, k, in_tree=[kmods.base, kmods.bad])
+    tree = modtree.prepare_kernel_tree(root, k)
+    modtree.activate(root, k, INSTANCE, make_store(root, "1.0", k, [kmods.user]))
+    kmod.depmod(root, k)
+    assert "kvcd_base" in (tree / "modules.dep").read_text()
+    before = set(os.listdir(root.module_root))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    os.symlink(outside, root.module_root / ".depmod-scratch")  # removed, never followed
+
+    modtree.deactivate(root, k, INSTANCE)
+    kmod.depmod(root, k)
+    assert (tree / "modules.dep").read_text() == ""
+    assert [x for x in (tree / "modules.symbols").read_text().splitlines() if x[:1] != "#"] == []
+    with pytest.raises(kmod.ModuleNotFound):
+        kmod.show_depends(root, k, "kvcd_user")
+    outputs = sorted(n for n in os.listdir(tree) if driftstore.is_depmod_output(n))
+    assert {"modules.dep", "modules.dep.bin", "modules.alias.bin"} <= set(outputs)
+    assert driftcheck.regenerate(root, k) == {
+        n: (driftstore.normalized_digest(tree / n), stat.S_IMODE(os.lstat(tree / n).st_mode))
+        for n in outputs
+    }
+    assert set(os.listdir(root.module_root)) == before  # the scratch tree is gone
+    assert os.listdir(outside) == ["keep"]
+
+    modtree.activate(root, k, INSTANCE, root.store(INSTANCE) / "1.0" / k)
+    kmod.depmod(root, k)  # and an instance back: its index again
+    assert kmod.show_depends(root, k, "kvcd_user")[-1] == str(
+        tree / "extra" / INSTANCE / "kvcd_user.ko"
+    )
 
 
 def test_a_stale_system_index_still_resolves_the_instances_own_modules(

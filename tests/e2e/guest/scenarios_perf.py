@@ -8,7 +8,8 @@ time (the goals are read from the table), only correctness.
 (p2) depmod: kvcd's targeted index (kvcd.host.modindex) against a full depmod over the same
      tree, in a scratch copy of kvcd's module root to which a few real in-tree modules with deep
      dependency chains are added as if an instance shipped them: every modules.dep line of the
-     "instance" modules must be the same, and modprobe must resolve each of them.
+     "instance" modules must be the same, and modprobe must resolve each of them. (p2b) With
+     no module of kvcd's left in a tree, its depmod indexes nothing.
 (p3) `kvcd status`, `kvcd check-config` and `python3 -c pass`: wall time, median of five.
 (p4) the daemon's tasks, RSS and PSS 20 s after a start.
 (p5) where a start's time goes before any work: importing the modules a start imports, and of
@@ -193,6 +194,23 @@ def test_p2_targeted_depmod_is_a_full_depmods_restriction(tmp_path: Path) -> Non
     TABLE.append(("depmod: modules indexed (targeted)", f"{indexed} of {len(scope)} given"))
     figure("depmod, whole tree (the old way)", full_s, "perf_depmod_full")
     figure("depmod, targeted (kvcd's way)", targeted_s, "perf_depmod_targeted")
+
+
+def test_p2b_with_no_instance_module_left_depmod_indexes_nothing(tmp_path: Path) -> None:
+    """The last instance gone from a kernel's tree (a purge, a rollback of a first start, a start
+    clearing unconfigured instances' links): kvcd's depmod writes the index of nothing, not the
+    whole tree's."""
+    from kvcd.host import kmod, modtree
+    from kvcd.host.paths import HostRoot
+
+    root = HostRoot(tmp_path)
+    kdir = modtree.prepare_kernel_tree(root, KVER, system=Path("/lib/modules") / KVER)
+    t0 = time.monotonic()
+    kmod.depmod(root, KVER)
+    figure("depmod, no module of kvcd's left", time.monotonic() - t0, "perf_depmod_nothing")
+    assert (kdir / "modules.dep").read_text() == ""
+    assert (kdir / "modules.dep.bin").is_file()
+    assert not (root.module_root / ".depmod-scratch").exists()
 
 
 def _median_wall(argv: list[str], runs: int = 5) -> float:
