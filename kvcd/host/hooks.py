@@ -9,6 +9,7 @@ library runs do not see it (KVCD_UNEXPORT names them).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -16,6 +17,7 @@ from collections.abc import Collection, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
+from kvcd.host import interrupt
 from kvcd.host.run import (
     LEFTOVER_GRACE,
     TIMED_OUT,
@@ -82,19 +84,31 @@ def call(
     running in its process group is stopped (run_group), as systemd stops a unit's leftovers.
 
     After `timeout` seconds the function is stopped either way (SIGTERM, SIGKILL
-    LEFTOVER_GRACE seconds later): TimedOut."""
+    LEFTOVER_GRACE seconds later): TimedOut.
+
+    A stop of the daemon cuts into build_kmods, a build as long as podman's (kvcd.host.interrupt):
+    its unit is stopped, and Interrupted raised. Never into load_kmods or unload_kmods: a load
+    half done is worse than a wait, and the unload a stop runs must run whole."""
     if function not in FUNCTIONS[:3]:
         raise ValueError(f"not a KVC library function: {function}")
     argv = ["bash", _runner(), str(library), function]
     started = time.monotonic()
+    cut = interrupt.allowed() if function == "build_kmods" else contextlib.nullcontext()
     try:
-        if unit is None:
-            return run_group(argv, env={**os.environ, **variables}, timeout=timeout)
+        if unit is None:  # cut into, run_group stops what the function left in its group
+            with cut:
+                return run_group(argv, env={**os.environ, **variables}, timeout=timeout)
         # systemd stops the unit at RuntimeMaxSec=, and systemd-run returns once it is gone.
         # Only if it does not (a wedged manager) does kvcd give up waiting, and stop the unit.
         backstop = None if timeout is None else timeout + LEFTOVER_GRACE + _BACKSTOP
         try:
-            return run(transient(unit, argv, variables, timeout), timeout=backstop)
+            with cut:
+                return run(transient(unit, argv, variables, timeout), timeout=backstop)
+        except interrupt.Interrupted:
+            # Not left building: systemd-run is gone, its unit (this call's, by its name) not.
+            with contextlib.suppress(CommandError):
+                run(["systemctl", "stop", unit], check=False, timeout=LEFTOVER_GRACE + _BACKSTOP)
+            raise
         except CommandError:
             if backstop is not None and time.monotonic() - started >= backstop:
                 run(["systemctl", "stop", "--no-block", unit], check=False)

@@ -1,4 +1,5 @@
-"""A stop that cuts into a long wait for podman: a build, a pull, an image load.
+"""A stop that cuts into a long wait for podman: a build, a pull, an image load (and a KVC
+library's build_kmods, kvcd.host.hooks).
 
 The daemon takes SIGTERM between its cycles. A build can take tens of minutes, so
 `systemctl stop` (and a reboot) during one waited for it, or for TimeoutStopSec= and SIGKILL.

@@ -5,7 +5,7 @@ tests themselves run inside it (tests/e2e/guest/). The host learns their names b
 guest files (ast, no import: they import guest-only modules), so a new guest test or a new
 `scenarios_<x>.py` file gets its host result without editing this file:
   test_harness[...]     guest_smoke.py        (smoke and e2e runs)
-  test_kvcd[...]        guest_scenarios.py    core scenarios (a)-(g), RPM payload
+  test_kvcd[...]        guest_scenarios.py    core scenarios (a)-(g2), RPM payload
   test_kvc_shim[...]    guest_kvc_shim.py     kmods-via-containers end to end
   test_scenario[x::...] scenarios_<x>.py      each file its own guest pytest session
   test_reboot[x::...]   reboot_<x>.py         may reboot the guest in the middle

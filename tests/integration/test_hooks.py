@@ -5,12 +5,15 @@ here that does what the real one does with these options (the guest runs the rea
 from __future__ import annotations
 
 import os
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from kvcd.host import hooks, procs
+from kvcd.host import hooks, interrupt, procs
 from kvcd.host.run import CommandError
 
 pytestmark = pytest.mark.integration
@@ -137,6 +140,48 @@ def test_a_manager_that_does_not_stop_the_unit_in_time_has_kvcd_stop_it(
         hooks.call(lib, "load_kmods", variables(), timeout=1, unit="kvcd-hook-drv-4.service")
     log = (tmp_path / "run.log").read_text().splitlines()
     assert log[-1] == "systemctl stop --no-block kvcd-hook-drv-4.service"
+
+
+@contextmanager
+def stop_requested_after(seconds: float) -> Iterator[None]:
+    """As `systemctl stop` does to the daemon, `seconds` from now: its SIGTERM handler asks for
+    the stop (kvcd.daemon.service), on the main thread."""
+    signal.signal(signal.SIGALRM, lambda *_: interrupt.request())
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        interrupt.reset()
+
+
+def test_a_stop_cuts_into_build_kmods_and_stops_its_unit(lib: Path, tmp_path: Path) -> None:
+    """A KVC library's build can take as long as a podman build: a stop does not wait for it
+    (it did, up to the unit's TimeoutStopSec=, and left the hook's unit building), and the
+    function's unit, named by this call, is stopped with what it started."""
+    lib.write_text("build_kmods() { echo started; sleep 60; }\n")
+    t0 = time.monotonic()
+    with stop_requested_after(0.5), pytest.raises(interrupt.Interrupted):
+        hooks.call(lib, "build_kmods", variables(), timeout=100, unit="kvcd-hook-drv-5.service")
+    assert time.monotonic() - t0 < 30  # not the 60 s of the sleep
+    log = (tmp_path / "run.log").read_text().splitlines()
+    assert log[-1] == "systemctl stop kvcd-hook-drv-5.service"
+
+
+@pytest.mark.parametrize("function", ["load_kmods", "unload_kmods"])
+def test_a_stop_never_cuts_into_a_load_or_an_unload(
+    lib: Path, tmp_path: Path, function: str
+) -> None:
+    """A load or unload half done is worse than a wait: the stop is taken after it, and the
+    unload a stop runs (the requested stop still marked) runs whole."""
+    lib.write_text(f"{function}() {{ sleep 1; echo finished; }}\n")
+    with stop_requested_after(0.2):
+        done = hooks.call(lib, function, variables(), timeout=100, unit="kvcd-hook-drv-6.service")
+        assert done.stdout == "finished\n"
+        done = hooks.call(lib, function, variables(), timeout=100, unit="kvcd-hook-drv-7.service")
+        assert done.stdout == "finished\n"
+    assert "systemctl" not in (tmp_path / "run.log").read_text()
 
 
 @pytest.mark.parametrize(

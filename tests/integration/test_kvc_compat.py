@@ -7,8 +7,10 @@ modprobe (this kernel cannot load), and kvcd verifies the result in the fake /sy
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,44 @@ def test_a_library_function_that_hangs_is_stopped_at_hook_timeout(
     assert status.startswith("simple-kmod: Degraded"), status
     sleeping = subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True, check=False)
     assert sleeping.returncode == 1, f"the hook's sleep is still running: {sleeping.stdout!r}"
+
+
+def test_a_stop_cuts_into_build_kmods(host: tuple[HostRoot, dict[str, str]]) -> None:
+    """`kvcd run` stopped (SIGTERM) while the library's build_kmods runs: the daemon does not
+    wait for the build (it did, for as long as it took), what the function started is gone,
+    and the journal says the start was stopped before the stop's unload went through."""
+    root, env = host
+    step = "sleep 60.25"  # a command line nothing else runs
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    lib.write_text(LIB.replace("build_kmods() {\n", f"build_kmods() {{\n    {step}\n", 1))
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvcd.cli", "run", "simple-kmod"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _running(step):
+            assert daemon.poll() is None and time.monotonic() < deadline, "no build_kmods"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        daemon.send_signal(signal.SIGTERM)
+        _, err = daemon.communicate(timeout=30)
+        assert time.monotonic() - t0 < 20  # not the 60 s of the build
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert daemon.returncode == 0, err
+    assert not _running(step), "build_kmods' sleep is still running"
+    assert "degraded: Stopped: stopped before this load finished" in err
+    # Then the stop's unload (unload_policy = if-idle): nothing was loaded, nothing to run.
+    assert not (root.root / "hook.log").exists()
+    status = kvcd(env, "status", "simple-kmod").stdout
+    assert status.startswith("simple-kmod: Done (unloaded)"), status
+
+
+def _running(cmdline: str) -> bool:
+    found = subprocess.run(["pgrep", "-fx", cmdline], capture_output=True, check=False)
+    return found.returncode == 0

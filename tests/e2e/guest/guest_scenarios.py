@@ -1,4 +1,4 @@
-"""Guest-side kvcd scenarios (a)-(g), run in order by pytest inside the VM guest.
+"""Guest-side kvcd scenarios (a)-(g2), run in order by pytest inside the VM guest.
 
 Each test leaves the instance in the state the next one starts from; the host-side tests in
 tests/e2e/test_vm.py report one result per scenario. Contracts used: kvcd@.service (Type=notify,
@@ -28,6 +28,7 @@ from kvcdguest import (
     UNIT,
     containerfile,
     image_ids,
+    kvcd_status,
     module_version,
     pids_running,
     proc_modules,
@@ -342,3 +343,38 @@ def test_g_a_hung_library_function_is_stopped_at_hook_timeout(kvc_files: None) -
     finally:
         settings.write_text(saved)
         sh(["systemctl", "stop", unit], check=False, timeout=600)
+
+
+def test_g2_a_stop_during_build_kmods_does_not_wait_for_it(kvc_files: None) -> None:
+    """With the real systemd-run: `systemctl stop` while the library's build_kmods runs cuts
+    into it (the stop waited for the whole build before, up to TimeoutStopSec=, and left the
+    hook's unit building): the unit is inactive, not failed, the hook's unit and what it ran
+    are gone, and the journal says the start was stopped."""
+    lib = Path(f"/usr/lib/kvc/{KVC_NAME}-lib.sh")
+    text = lib.read_text()
+    step = "sleep 600.25"  # a command line nothing else runs
+    slow = text.replace("build_kmods() {\n", f"build_kmods() {{\n    {step}\n", 1)
+    assert slow != text
+    lib.write_text(slow)
+    unit = f"kvcd@{KVC_NAME}.service"
+    try:
+        sh(["systemctl", "start", "--no-block", unit])
+        wait_for(lambda: pids_running(step), BUILD_TIMEOUT, "build_kmods to run")
+        t0 = time.monotonic()
+        sh(["systemctl", "stop", unit], timeout=600)
+        record_timing("scenario_g2_stop_during_build_kmods", time.monotonic() - t0)
+        assert unit_prop("ActiveState", unit) == "inactive", unit_prop("Result", unit)
+        hooks = sh(
+            ["systemctl", "list-units", "--plain", "--no-legend", f"kvcd-hook-{KVC_NAME}-*"]
+        ).stdout
+        assert "build_kmods" not in hooks, hooks
+        assert not pids_running(step), "the hook's unit was left building"
+        # The start said Stopped, then the stop's unload (if-idle) found nothing loaded.
+        st = kvcd_status(KVC_NAME)
+        assert st and (st.get("state"), st.get("goal")) == ("Done", "unloaded"), st
+        said = sh(["journalctl", "-b", "-u", unit, "--no-pager", "-o", "cat"]).stdout
+        assert "degraded: Stopped: stopped before this load finished" in said, said[-2000:]
+    finally:
+        sh(["systemctl", "stop", unit], check=False, timeout=600)
+        for pid in pids_running(step):
+            os.kill(int(pid), 9)
