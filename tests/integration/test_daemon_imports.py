@@ -9,6 +9,7 @@ and the modules it had imported once its late hooks were done.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -50,7 +51,8 @@ RESIDENT_NEVER = (
 # What talking to the podman API imports (podman-py and its HTTP stack).
 PODMAN_CLIENT = ("podman", "requests", "urllib3", "rich")
 
-# `kvcd run`, writing sys.modules to $KVCD_MODULES_TO once the late hooks of a cycle are done.
+# `kvcd run`, writing sys.modules to $KVCD_MODULES_TO once the late hooks of a cycle are done,
+# and to $KVCD_MODULES_TO.ready when it first sent READY=1.
 PROBE = """\
 import json, os, sys
 from kvcd.daemon import service
@@ -66,6 +68,17 @@ def run_late(self, record):
     return out
 
 service.Service.run_late = run_late
+announce = service.Service._announce
+
+def _announce(self, record, ready):
+    out = announce(self, record, ready)
+    at = os.environ["KVCD_MODULES_TO"] + ".ready"
+    if out and not os.path.exists(at):  # READY=1 sent: the modules are live
+        with open(at, "w") as f:
+            json.dump(sorted(sys.modules), f)
+    return out
+
+service.Service._announce = _announce
 from kvcd.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -248,3 +261,45 @@ def test_a_child_still_importing_at_the_timeout_is_no_answer_not_a_missing_libra
     with pytest.raises(pylibs.NoAnswer) as exc:
         pylibs.require_all_in_child(timeout=1)
     assert str(exc.value) == "no answer from the child in 1 s"
+
+
+def _start_imports() -> tuple[str, ...]:
+    """scenarios_perf.START_IMPORTS, read from its source (the guest file imports guest-only
+    helpers)."""
+    tree = ast.parse((REPO / "tests/e2e/guest/scenarios_perf.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "START_IMPORTS":
+            names = ast.literal_eval(node.value)
+            assert isinstance(names, tuple)
+            return names
+    raise AssertionError("no START_IMPORTS in scenarios_perf.py")
+
+
+def test_the_guest_figure_of_a_starts_imports_imports_what_a_start_has_at_ready(
+    tmp_path: Path,
+) -> None:
+    """scenarios_perf p5 times importing START_IMPORTS, a list written by hand, as what a cached
+    start imports before its modules are live: a real cached start had imported exactly its
+    kvcd modules, and nothing the list leaves out, when it sent READY=1."""
+    settled_daemon(tmp_path, [])
+    at_ready = set(json.loads((tmp_path / "modules.json.ready").read_text()))
+    listed = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, *_start_imports()],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path / "cwd",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    probed = set(json.loads(listed.stdout))
+    assert sorted(at_ready - probed) == []
+    beyond = probed - at_ready  # the list imports no kvcd module and no library a start does not
+    assert sorted(m for m in beyond if m.split(".")[0] not in sys.stdlib_module_names) == []
+
+
+IMPORT_ALL = """\
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(sys.modules)))
+"""

@@ -231,7 +231,8 @@ def test_p3_cli_start_up() -> None:
 
 
 # The modules a cached start has imported when its modules are live: the CLI, the service and
-# the instance, and the extensions a plain instance runs (kvcd/daemon/extensions.py).
+# the instance, and the extensions a plain instance runs (kvcd/daemon/extensions.py). A real
+# daemon's are compared with these (tests/integration/test_daemon_imports.py).
 START_IMPORTS = (
     "kvcd.cli",
     "kvcd.daemon.service",
@@ -244,6 +245,8 @@ START_IMPORTS = (
     "kvcd.daemon.libraries",
     "kvcd.daemon.metrics",
     "kvcd.host.systemd",
+    "kvcd.host.modindex",  # the activation's depmod: what it indexes
+    "inotify_simple",  # the drift watch
 )
 # Prints: seconds importing them (dataclasses itself included), seconds creating dataclasses,
 # how many were created.
