@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,14 +30,18 @@ unload_kmods() { echo "cannot unload" >&2; return 3; }
 # systemd-run --wait --pipe: the command runs with systemd's environment plus --setenv, its
 # output on our pipes, systemd-run's exit status its own; at RuntimeMaxSec= the unit is stopped
 # (SIGTERM, SIGKILL TimeoutStopSec= later). Options are logged for the test. With FAKE_WEDGED
-# set it never comes back (a manager that does not answer); systemctl logs what it is asked.
+# set it never comes back (a manager that does not answer). The unit's processes are a session
+# of their own, which `systemctl stop UNIT` ends (as systemd ends a unit's cgroup); systemctl
+# logs what it is asked.
 FAKE_SYSTEMD_RUN = r"""#!/bin/bash
 set -eu
 vars=()
 limit=()
 stop=90
+unit=
 while [ $# -gt 0 ]; do
     case "$1" in
+        --unit=*) unit="${1#--unit=}" ;;
         --setenv=*) vars+=("${1#--setenv=}") ;;
         --property=TimeoutStopSec=*) stop="${1#--property=TimeoutStopSec=}" ;;
         --property=RuntimeMaxSec=*) max="${1#--property=RuntimeMaxSec=}"
@@ -47,11 +52,19 @@ while [ $# -gt 0 ]; do
     echo "$1" >> "$RUN_LOG"
     shift
 done
-if [ -n "${FAKE_WEDGED:-}" ]; then exec sleep 60; fi
-exec "${limit[@]}" env -i PATH="$PATH" "${vars[@]}" "$@"
+echo $$ > "$RUN_LOG.$unit"  # not a group leader: setsid keeps this pid, the session's id
+if [ -n "${FAKE_WEDGED:-}" ]; then exec setsid sleep 60; fi
+exec setsid "${limit[@]}" env -i PATH="$PATH" "${vars[@]}" "$@"
 """
 FAKE_SYSTEMCTL = r"""#!/bin/bash
 echo "systemctl $*" >> "$RUN_LOG"
+if [ "$1" = stop ]; then
+    session=$(cat "$RUN_LOG.${*: -1}")
+    kill -TERM -- "-$session" 2>/dev/null || exit 0
+    for _ in $(seq 50); do kill -0 -- "-$session" 2>/dev/null || exit 0; sleep 0.1; done
+    kill -KILL -- "-$session" 2>/dev/null
+fi
+exit 0
 """
 
 
@@ -160,13 +173,14 @@ def test_a_stop_cuts_into_build_kmods_and_stops_its_unit(lib: Path, tmp_path: Pa
     """A KVC library's build can take as long as a podman build: a stop does not wait for it
     (it did, up to the unit's TimeoutStopSec=, and left the hook's unit building), and the
     function's unit, named by this call, is stopped with what it started."""
-    lib.write_text("build_kmods() { echo started; sleep 60; }\n")
+    lib.write_text("build_kmods() { echo started; sleep 60.5; }\n")
     t0 = time.monotonic()
     with stop_requested_after(0.5), pytest.raises(interrupt.Interrupted):
         hooks.call(lib, "build_kmods", variables(), timeout=100, unit="kvcd-hook-drv-5.service")
     assert time.monotonic() - t0 < 30  # not the 60 s of the sleep
     log = (tmp_path / "run.log").read_text().splitlines()
     assert log[-1] == "systemctl stop kvcd-hook-drv-5.service"
+    assert subprocess.run(["pgrep", "-fx", "sleep 60.5"], check=False).returncode == 1
 
 
 @pytest.mark.parametrize("function", ["load_kmods", "unload_kmods"])

@@ -186,13 +186,13 @@ def test_a_library_function_that_hangs_is_stopped_at_hook_timeout(
     settings = root("/etc/kvcd/kvcd.toml")
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text("hook_timeout = 1.5\n")
-    lib, out = load_with_library(host, LOAD_MODULES, "sleep 60")
+    lib, out = load_with_library(host, LOAD_MODULES, "sleep 61.5")
     assert (
         f"HookFailed: load_kmods in {lib} did not finish within hook_timeout = 1.5 s" in out.stderr
     )
     status = kvcd(env, "status", "simple-kmod").stdout
     assert status.startswith("simple-kmod: Degraded"), status
-    sleeping = subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True, check=False)
+    sleeping = subprocess.run(["pgrep", "-fx", "sleep 61.5"], capture_output=True, check=False)
     assert sleeping.returncode == 1, f"the hook's sleep is still running: {sleeping.stdout!r}"
 
 
