@@ -36,6 +36,7 @@ from kvcdguest import (
     set_instance,
     sh,
     state_is,
+    stop_during,
     unit_prop,
     wait_for,
 )
@@ -358,12 +359,7 @@ def test_g2_a_stop_during_build_kmods_does_not_wait_for_it(kvc_files: None) -> N
     lib.write_text(slow)
     unit = f"kvcd@{KVC_NAME}.service"
     try:
-        sh(["systemctl", "start", "--no-block", unit])
-        wait_for(lambda: pids_running(step), BUILD_TIMEOUT, "build_kmods to run")
-        t0 = time.monotonic()
-        sh(["systemctl", "stop", unit], timeout=600)
-        record_timing("scenario_g2_stop_during_build_kmods", time.monotonic() - t0)
-        assert unit_prop("ActiveState", unit) == "inactive", unit_prop("Result", unit)
+        stop_during(unit, step, "scenario_g2_stop_during_build_kmods", BUILD_TIMEOUT)
         hooks = sh(
             ["systemctl", "list-units", "--plain", "--no-legend", f"kvcd-hook-{KVC_NAME}-*"]
         ).stdout

@@ -387,3 +387,15 @@ def pids_running(cmdline: str) -> list[str]:
         except OSError:  # gone meanwhile
             continue
     return found
+
+
+def stop_during(unit: str, step: str, timing: str, timeout: float) -> None:
+    """Start `unit`, wait (at most `timeout` s) until a process runs the command line `step` (a
+    build step), then `systemctl stop` it: the stop's time is recorded as `timing`, and the unit
+    must end inactive, not failed."""
+    sh(["systemctl", "start", "--no-block", unit])
+    wait_for(lambda: pids_running(step), timeout, f"{step!r} to run under {unit}")
+    t0 = time.monotonic()
+    sh(["systemctl", "stop", unit], timeout=600)
+    record_timing(timing, time.monotonic() - t0)
+    assert unit_prop("ActiveState", unit) == "inactive", unit_prop("Result", unit)

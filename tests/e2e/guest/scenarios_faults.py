@@ -66,6 +66,7 @@ from kvcdguest import (
     set_instance,
     sh,
     state_is,
+    stop_during,
     unit_prop,
     wait_for,
 )
@@ -427,12 +428,7 @@ def test_f7_a_stop_during_a_build_does_not_wait_for_it() -> None:
     )
     unit = f"kvcd@{name}.service"
     try:
-        sh(["systemctl", "start", "--no-block", unit])
-        wait_for(lambda: pids_running(step), BUILD_TIMEOUT, "the build step to run")
-        t0 = time.monotonic()
-        sh(["systemctl", "stop", unit], timeout=600)
-        record_timing("fault_stop_during_build", time.monotonic() - t0)
-        assert unit_prop("ActiveState", unit) == "inactive", unit_prop("Result", unit)
+        stop_during(unit, step, "fault_stop_during_build", BUILD_TIMEOUT)
         assert pids_running(step), "the stop waited for the build step to end"
         st = kvcd_status(name)
         assert st and (st.get("state"), st.get("code")) == ("Degraded", "Stopped"), st
