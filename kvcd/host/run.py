@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import IO
 
 # The exit status a timed-out command is given (timeout(1)'s).
 TIMED_OUT = 124
+# The exit status a command cut short by its caller is given (128 + SIGKILL).
+CANCELLED = 137
 
 
 class CommandError(Exception):
@@ -76,29 +79,64 @@ def run(
     input: str | None = None,
     timeout: float | None = None,
     cwd: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> Completed:
-    """Run argv (no shell), capture its output as text, raise CommandError on failure."""
+    """Run argv (no shell), capture its output as text, raise CommandError on failure.
+
+    `cancel`, set by another thread, cuts the wait: the command is killed (by this thread, which
+    has not reaped it, so the signal reaches this command and no other process) and CommandError
+    says it was cancelled."""
     exe, full_env = _resolve(argv, env)
     try:
-        proc = subprocess.run(
+        with subprocess.Popen(
             [exe, *argv[1:]],
             env=full_env,
-            input=input,
-            capture_output=True,
+            stdin=subprocess.PIPE if input is not None else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             errors="replace",
-            timeout=timeout,
             cwd=cwd,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise CommandError(argv, TIMED_OUT, f"timed out after {timeout}s") from exc
+        ) as proc:
+            stdout, stderr = _communicate(proc, argv, input, timeout, cancel)
     except OSError as exc:
         raise CommandError(argv, 126, str(exc)) from exc
-    done = Completed(list(argv), proc.returncode, proc.stdout, proc.stderr)
+    done = Completed(list(argv), proc.returncode, stdout, stderr)
     if check and proc.returncode != 0:
-        raise CommandError(argv, proc.returncode, proc.stderr or proc.stdout)
+        raise CommandError(argv, proc.returncode, stderr or stdout)
     return done
+
+
+# How often a cancellable wait looks at its event.
+CANCEL_POLL = 0.05
+
+
+def _communicate(
+    proc: subprocess.Popen[str],
+    argv: Sequence[str],
+    input: str | None,
+    timeout: float | None,
+    cancel: threading.Event | None,
+) -> tuple[str, str]:
+    """proc's output once it has exited; killed and CommandError at `timeout` or `cancel`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if cancel is not None:
+                left = CANCEL_POLL if left is None else min(left, CANCEL_POLL)
+            try:
+                return proc.communicate(input, timeout=left)
+            except subprocess.TimeoutExpired:
+                input = None  # communicate goes on writing what it has not written yet
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CommandError(argv, TIMED_OUT, f"timed out after {timeout}s") from None
+                if cancel is not None and cancel.is_set():
+                    raise CommandError(argv, CANCELLED, "cancelled: no longer wanted") from None
+    except BaseException:  # timed out, cancelled, or this thread interrupted (a stop)
+        proc.kill()  # not reaped yet: still this command
+        proc.wait()  # not its pipes: what it left running may hold them (subprocess.run's way)
+        raise
 
 
 # Seconds what a command left in its process group has after SIGTERM before SIGKILL.
