@@ -139,6 +139,12 @@ class Extension:
         """Stop the watchers: on exit, and before the set is rebuilt on a reload."""
         return None
 
+    def at_exit(self, ctx: Context) -> None:
+        """The daemon exits (stopped, or failed for good), after `stop`: leave what this
+        extension reports saying what the record says now. The record a stop's unload writes
+        reaches no after-hook."""
+        return None
+
     def interval(self) -> float | None:
         """A periodic `Event(<name>, "timer")` every so many seconds (None: never). Read at start
         and after every reconcile while none is armed, so a deadline can be armed later."""

@@ -95,10 +95,17 @@ def start(exts: list[Extension], ctx: Context) -> list[Extension]:
     return started
 
 
-def stop(exts: list[Extension], fields: Mapping[str, str]) -> None:
-    """Stop each, the last started first."""
+def stop(exts: list[Extension], fields: Mapping[str, str], exiting: Context | None = None) -> None:
+    """Stop each, the last started first. `exiting`: the daemon exits, and then each has its
+    last word (`at_exit`), in the order they were started."""
     for ext in reversed(exts):
         try:
             ext.stop()
         except Exception:
             log.exception("extension %s did not stop cleanly", ext.name, extra=fields)
+    for ext in exts:
+        try:
+            if exiting is not None:
+                ext.at_exit(exiting)
+        except Exception:
+            log.exception("extension %s: its last report failed", ext.name, extra=fields)

@@ -117,7 +117,8 @@ _UNSEEN = object()
 
 
 class MetricsFile(Extension):
-    """Keeps the counts on disk and has the textfile rewritten when what it says changed."""
+    """Keeps the counts on disk and has the textfile rewritten when what it says changed: by a
+    child while the daemon runs, and by the daemon itself as it exits (`at_exit`)."""
 
     name = "metrics"
     late = True
@@ -126,8 +127,10 @@ class MetricsFile(Extension):
         self._saved: m.Counts | None = None
         self._shown: tuple[Any, ...] | None = None
         self._lock = threading.Lock()
-        self._again = False  # a change the running child may not have seen
+        self._again = False  # a change no child has started to write (or one was cut)
         self._running = False
+        self._thread: threading.Thread | None = None
+        self._cut = threading.Event()  # stopped: the running child is killed, none starts
         self._degraded: str | object | None = _UNSEEN  # the Degraded code of the last record
 
     def start(self, ctx: Context) -> None:
@@ -135,6 +138,39 @@ class MetricsFile(Extension):
         self._saved = _METER.change(lambda _c: kept)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
+        if self._note(ctx, record):
+            self._write_soon(ctx)
+        return None
+
+    def stop(self) -> None:
+        """A running child is killed and waited for: nothing of this hook writes after this."""
+        self._cut.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join()  # the child is killed at once (run.run's cancel)
+
+    def at_exit(self, ctx: Context) -> None:
+        """The daemon exits: the textfile says what the record says now. A stop's unload or a
+        failure for good reaches no after-hook, and systemd kills what a unit leaves running,
+        so this last write is the daemon's own (prometheus_client is imported only now)."""
+        try:
+            record = Record.load(ctx.root, ctx.name)
+        except OSError as exc:  # damaged or unreadable: the textfile says Unknown
+            log.warning("metrics: %s", files.os_error(exc), extra=ctx.fields)
+            record = None
+        changed = record is not None and self._note(ctx, record)
+        if not ctx.settings.metrics_dir or not (changed or self._again or record is None):
+            return
+        problems: list[str] = []
+        try:
+            write_textfile(ctx.root, ctx.settings, ctx.name, problems)
+        except OSError as exc:
+            problems.append(files.os_error(exc))
+        for problem in problems:
+            log.warning("metrics textfile: %s", problem, extra=ctx.fields)
+
+    def _note(self, ctx: Context, record: Record) -> bool:
+        """Count the record (the counts are kept on disk); whether the textfile is out of date."""
         counts = snapshot()
         # The last error is when the instance went Degraded (or its reason changed), not each
         # rewrite of a Degraded record. Right after a start, the same reason as the counts
@@ -153,40 +189,48 @@ class MetricsFile(Extension):
         shown = (counts, record.state, record.code, record.reason, record.version,
                  record.kernel, record.goal, tuple(record.modules), record.next_kernel,
                  record.next_kernel_state)  # fmt: skip
-        if ctx.settings.metrics_dir and shown != self._shown:
-            self._shown = shown
-            self._write_soon(ctx)
-        return None
+        if not ctx.settings.metrics_dir or shown == self._shown:
+            return False
+        self._shown = shown
+        return True
 
     def _write_soon(self, ctx: Context) -> None:
         """One child at a time; a change while it runs has it run once more."""
         with self._lock:
             self._again = True
-            if self._running:
+            if self._running or self._cut.is_set():
                 return
             self._running = True
-        threading.Thread(target=self._write, args=(ctx,), name="kvcd-metrics", daemon=True).start()
+            self._thread = threading.Thread(
+                target=self._write, args=(ctx,), name="kvcd-metrics", daemon=True
+            )
+            self._thread.start()
 
     def _write(self, ctx: Context) -> None:
         while True:
             with self._lock:
-                if not self._again:
+                if not self._again or self._cut.is_set():
                     self._running = False
                     return
                 self._again = False
-            problem = write_in_child(ctx.root, ctx.name)
+            problem = write_in_child(ctx.root, ctx.name, self._cut)
+            if problem and self._cut.is_set():  # killed: what it was writing is still owed
+                with self._lock:
+                    self._again, self._running = True, False
+                return
             if problem:
                 log.warning("metrics textfile: %s", problem, extra=ctx.fields)
 
 
-def write_in_child(root: HostRoot, name: str) -> str | None:
-    """`kvcd metrics NAME --write` in a child of this interpreter; why it failed, or None."""
+def write_in_child(root: HostRoot, name: str, cancel: threading.Event) -> str | None:
+    """`kvcd metrics NAME --write` in a child of this interpreter; why it failed, or None.
+    Setting `cancel` kills it."""
     from kvcd.host import run
 
     argv = [sys.executable, "-c", _RENDER, json.dumps(sys.path),
             "--root", str(root.root), "metrics", name, "--write"]  # fmt: skip
     try:
-        run.run(argv, timeout=CHILD_TIMEOUT)
+        run.run(argv, timeout=CHILD_TIMEOUT, cancel=cancel)
     except run.CommandError as exc:
         return str(exc)
     return None
@@ -298,6 +342,11 @@ def textfile(settings: Settings, name: str) -> str:
     return f"{settings.metrics_dir}/kvcd-{name}.prom"
 
 
+def write_textfile(root: HostRoot, settings: Settings, name: str, problems: list[str]) -> None:
+    """`name`'s textfile, replaced whole (a temporary file renamed); OSError when it cannot be."""
+    files.atomic_write(root(textfile(settings, name)), render(root, [name], problems))
+
+
 def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
     from kvcd.config.loader import load_settings
     from kvcd.daemon.record import known_names
@@ -312,7 +361,7 @@ def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
             print('kvcd: metrics_dir = "" in kvcd.toml: no textfile to write', file=sys.stderr)
             return 2
         for name in names:
-            files.atomic_write(root(textfile(settings, name)), render(root, [name], problems))
+            write_textfile(root, settings, name, problems)
     for problem in problems:
         print(f"kvcd: {problem} (its instance is Unknown in the metrics)", file=sys.stderr)
     return 1 if problems else 0

@@ -231,8 +231,8 @@ class Service:
                 if every is not None:
                     self._timers[id(ext)] = now + every
 
-    def stop_extensions(self) -> None:
-        extensions.stop(self.exts, self.fields)
+    def stop_extensions(self, exiting: bool = False) -> None:
+        extensions.stop(self.exts, self.fields, self.ctx if exiting else None)
         self.exts.clear()
         self._deferred.clear()
         self._timers.clear()
@@ -455,7 +455,7 @@ class Service:
         finally:
             signal.set_wakeup_fd(-1)
             interrupt.reset()  # taken: nothing of this daemon is waited for any more
-            self.stop_extensions()
+            self.stop_extensions(exiting=True)
             with contextlib.suppress(FileNotFoundError):
                 self.root.pid_file(self.name).unlink()
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvcd.host.paths import HostRoot
@@ -306,3 +307,56 @@ def test_sigterm_during_a_build_stops_at_once(
     st = daemon.status()
     assert (st["state"], st["reason"]) == (state, reason), st
     assert "STOPPING=1" in "".join(daemon.messages)
+
+
+def prom_samples(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    """The instance's node_exporter textfile, parsed by prometheus_client; None while absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = daemon.root("/run/kvcd/metrics/kvcd-e2e.prom")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def loaded_in_textfile(got: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[float]:
+    return [got[("kvcd_module_loaded", (("instance", "e2e"), ("module", m)))] for m in MODS]
+
+
+MODS = ("kvcd_base", "kvcd_user")
+
+
+def test_the_metrics_textfile_says_what_the_stop_left(daemon: Daemon) -> None:
+    """The textfile for node_exporter is "replaced whole after every change" (README), and a
+    stop is one: once `kvcd run` has exited, it says the modules are unloaded, with no child
+    of the daemon's left to write it later (systemd kills what a unit leaves behind)."""
+    daemon.start()
+    daemon.messages_until("READY=1")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = prom_samples(daemon)
+        if got is not None and loaded_in_textfile(got) == [1.0, 1.0]:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the textfile never said both modules loaded: {prom_samples(daemon)}")
+    daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+    assert not (daemon.root.sys_module / "kvcd_base").exists()
+    got = prom_samples(daemon)
+    assert got is not None
+    assert loaded_in_textfile(got) == [0.0, 0.0], got
+    info = [k for k in got if k[0] == "kvcd_instance_info"]
+    assert info and dict(info[0][1])["goal"] == "unloaded", info
+    assert got[("kvcd_instance_state", (("instance", "e2e"), ("state", "Done")))] == 1.0
+    leftover = [
+        p for p in psutil.process_iter(["cmdline"])
+        if str(daemon.root.root) in " ".join(p.info["cmdline"] or ())
+    ]  # fmt: skip
+    assert not leftover, [p.info["cmdline"] for p in leftover]

@@ -22,7 +22,7 @@ def _libraries_proven_here(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(metrics, "write_in_child", _metrics_in_process)
 
 
-def _metrics_in_process(root: HostRoot, name: str) -> str | None:
+def _metrics_in_process(root: HostRoot, name: str, _cancel: object) -> str | None:
     try:
         metrics.metrics_command(root, name, write=True)
     except (OSError, ConfigError) as exc:

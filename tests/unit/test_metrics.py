@@ -276,7 +276,7 @@ def test_changes_while_the_child_runs_make_one_more_run_not_one_each(
 
     release, calls = threading.Event(), []
 
-    def child(_root: HostRoot, name: str) -> str | None:
+    def child(_root: HostRoot, name: str, _cancel: object) -> str | None:
         calls.append(name)
         release.wait(10)
         return None
@@ -342,3 +342,86 @@ def test_the_last_error_is_when_it_went_degraded(
     for st, code, updated in records:
         hook.after(ctx, Record("nic", st, code, "x" if code else "", updated=updated))
     assert metrics.snapshot().last_error_time == when
+
+
+# --- the daemon's exit: the textfile says what the stop left ------------------------------------
+
+
+def _hook_with_a_child_running(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> tuple[metrics.MetricsFile, Context, list[str]]:
+    """A hook whose child (the fake) is writing the loaded record's textfile when it is stopped;
+    the fake ends only when cancelled, as run.run's cancel ends the real one."""
+    import threading
+
+    calls: list[str] = []
+    started = threading.Event()
+
+    def child(_root: HostRoot, name: str, cancel: threading.Event) -> str | None:
+        calls.append(name)
+        started.set()
+        return "killed" if cancel.wait(10) else None
+
+    monkeypatch.setattr(metrics, "write_in_child", child)
+    ctx = Context(root, "nic", K, Settings(), None, lambda _e: None)  # type: ignore[arg-type]
+    hook = metrics.MetricsFile()
+    hook.start(ctx)
+    loaded = Record("nic", "Done", goal="loaded", modules=["mod_a"], updated=1.0)
+    loaded.write(root)
+    (root.sys_module / "mod_a").mkdir(parents=True)
+    hook.after(ctx, loaded)
+    assert started.wait(10)
+    return hook, ctx, calls
+
+
+def test_a_stop_cuts_the_running_child_and_the_exit_writes_what_the_stop_left(
+    root: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hook, ctx, calls = _hook_with_a_child_running(root, monkeypatch)
+    t0 = time.monotonic()
+    hook.stop()
+    assert time.monotonic() - t0 < 5  # not the fake's 10 s: it was cut
+    # The stop's unload, which no after-hook sees.
+    (root.sys_module / "mod_a").rmdir()
+    Record("nic", "Done", goal="unloaded", modules=["mod_a"], updated=2.0).write(root)
+    hook.after(ctx, Record("nic", "Done", goal="unloaded", updated=3.0))  # stopped: no child
+    hook.at_exit(ctx)
+    assert calls == ["nic"]
+    got = samples(root("/run/kvcd/metrics/kvcd-nic.prom").read_text())
+    assert got[("kvcd_module_loaded", (("instance", "nic"), ("module", "mod_a")))] == 0.0
+    info = [dict(k[1]) for k in got if k[0] == "kvcd_instance_info"]
+    assert [i["goal"] for i in info] == ["unloaded"]
+
+
+@pytest.mark.parametrize(
+    ("metrics_dir", "record", "written"),
+    [
+        pytest.param("/run/kvcd/metrics", "same", False, id="nothing-changed-nothing-owed"),
+        pytest.param("/run/kvcd/metrics", "changed", True, id="the-stop-changed-the-record"),
+        pytest.param("/run/kvcd/metrics", "damaged", True, id="damaged-is-unknown"),
+        pytest.param("", "changed", False, id="no-textfile-wanted"),
+    ],
+)
+def test_what_the_exit_writes(root: HostRoot, metrics_dir: str, record: str, written: bool) -> None:
+    ctx = Context(root, "nic", K, Settings(metrics_dir=metrics_dir), None, lambda _e: None)  # type: ignore[arg-type]
+    hook = metrics.MetricsFile()
+    hook.start(ctx)
+    done = Record("nic", "Done", goal="loaded", updated=1.0)
+    done.write(root)
+    hook.after(ctx, done)  # the unit tests' child writes in this process, at once
+    prom = root(f"{metrics_dir or '/run/kvcd/metrics'}/kvcd-nic.prom")
+    deadline = time.monotonic() + 10
+    while metrics_dir and not prom.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hook.stop()
+    if prom.exists():
+        prom.unlink()
+    if record == "changed":
+        Record("nic", "Done", goal="unloaded", updated=2.0).write(root)
+    elif record == "damaged":
+        root.state_file("nic").write_text("garbage{")
+    hook.at_exit(ctx)
+    assert prom.exists() == written
+    if record == "damaged":
+        got = samples(prom.read_text())
+        assert got[("kvcd_instance_state", (("instance", "nic"), ("state", "Unknown")))] == 1.0

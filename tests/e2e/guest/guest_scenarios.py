@@ -177,27 +177,33 @@ def test_b_stop_unloads_restart_uses_cache() -> None:
         assert dt < first, f"second start {dt:.1f}s not faster than first {first:.1f}s"
 
 
+PROM = Path(f"/run/kvcd/metrics/kvcd-{INSTANCE}.prom")
+
+
+def prom_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+    """The instance's node_exporter textfile, parsed by prometheus_client; None while absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not PROM.exists():
+        return None
+    return {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for fam in text_string_to_metric_families(PROM.read_text())
+        for x in fam.samples
+    }
+
+
 def test_b_metrics_textfile_for_node_exporter() -> None:
     """The daemon's child wrote /run/kvcd/metrics/kvcd-e2e-kmod.prom: it parses as the text
     format, says Done with both modules loaded, and kept the first start's build time across
     the restart (README "Metrics")."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    prom = Path(f"/run/kvcd/metrics/kvcd-{INSTANCE}.prom")
 
     def values() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
-        if not prom.exists():
-            return None
-        text = prom.read_text()
-        got = {
-            (x.name, tuple(sorted(x.labels.items()))): x.value
-            for fam in text_string_to_metric_families(text)
-            for x in fam.samples
-        }
-        done = got.get(("kvcd_instance_state", (("instance", INSTANCE), ("state", "Done"))))
+        got = prom_samples()
+        done = (got or {}).get(("kvcd_instance_state", (("instance", INSTANCE), ("state", "Done"))))
         return got if done == 1.0 else None
 
-    got = wait_for(values, 120, f"{prom} saying Done")
+    got = wait_for(values, 120, f"{PROM} saying Done")
     for mod in MODS:
         assert got[("kvcd_module_loaded", (("instance", INSTANCE), ("module", mod)))] == 1.0
     build = (("instance", INSTANCE), ("phase", "build"))
@@ -296,6 +302,14 @@ def kvc_files():  # type: ignore[no-untyped-def]
 def test_f_kvc_format_instance(kvc_files: None) -> None:
     sh(["systemctl", "stop", UNIT], check=False, timeout=600)
     wait_for(none_loaded, 120, "e2e-kmod's modules to be unloaded")
+    # Written by the daemon as it exited (its running child was killed with the unit), so
+    # node_exporter says what the stop left (README "Metrics").
+    got = prom_samples()
+    assert got is not None
+    for mod in MODS:
+        assert got[("kvcd_module_loaded", (("instance", INSTANCE), ("module", mod)))] == 0.0, got
+    goals = [dict(k[1])["goal"] for k in got if k[0] == "kvcd_instance_info"]
+    assert goals == ["unloaded"], got
     sh(["kvcd", "check-config", KVC_NAME], timeout=60)
     unit = f"kvcd@{KVC_NAME}.service"
     dt = start_and_wait_done(unit, KVC_NAME)
