@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STATES = ("Done", "Working", "Degraded", "Unknown")
 CHILD_TIMEOUT = 120.0
+STOP_WAIT = 10.0
 
 # --- the process's counts ------------------------------------------------------------------
 
@@ -146,8 +147,8 @@ class MetricsFile(Extension):
         """A running child is killed and waited for: nothing of this hook writes after this."""
         self._cut.set()
         thread = self._thread
-        if thread is not None:
-            thread.join()  # the child is killed at once (run.run's cancel)
+        if thread is not None:  # the child is killed at once (run.run's cancel)
+            thread.join(STOP_WAIT)  # bounded all the same: a stop must not hang on a metric
 
     def at_exit(self, ctx: Context) -> None:
         """The daemon exits: the textfile says what the record says now. A stop's unload or a
