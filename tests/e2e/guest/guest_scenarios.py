@@ -199,11 +199,14 @@ def test_b_metrics_textfile_for_node_exporter() -> None:
     the restart (README "Metrics")."""
 
     def values() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
-        got = prom_samples()
-        done = (got or {}).get(("kvcd_instance_state", (("instance", INSTANCE), ("state", "Done"))))
-        return got if done == 1.0 else None
+        # Until the restarted daemon's child has written it, the file is what the stop before
+        # left (Done too, goal="unloaded"): wait for this start's.
+        got = prom_samples() or {}
+        done = got.get(("kvcd_instance_state", (("instance", INSTANCE), ("state", "Done"))))
+        goals = [dict(k[1]).get("goal") for k in got if k[0] == "kvcd_instance_info"]
+        return got if done == 1.0 and goals == ["loaded"] else None
 
-    got = wait_for(values, 120, f"{PROM} saying Done")
+    got = wait_for(values, 120, f"{PROM} saying Done, loaded")
     for mod in MODS:
         assert got[("kvcd_module_loaded", (("instance", INSTANCE), ("module", mod)))] == 1.0
     build = (("instance", INSTANCE), ("phase", "build"))
