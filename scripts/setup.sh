@@ -85,7 +85,7 @@ if [ ! -e "$stamp" ]; then
   # The runtime dependencies as pyproject.toml names them, the kubernetes extra, and the tests'
   # own (the dbus extra compiles PyGObject: its tests import it only where it is installed).
   mapfile -t deps < <(.venv/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; [print(d) for d in p["dependencies"] + p["optional-dependencies"]["kubernetes"]]')
-  if ! .venv-oldest/bin/pip install -q "${deps[@]}" pytest hypothesis pyyaml >"$log" 2>&1; then
+  if ! .venv-oldest/bin/pip install -q "${deps[@]}" pytest pytest-xdist hypothesis pyyaml >"$log" 2>&1; then
     tail -n 30 "$log" >&2
     echo "setup: pip install into .venv-oldest failed; the whole log is $log" >&2
     exit 1

@@ -34,9 +34,15 @@ def _fifo(path: Path, _elsewhere: Path) -> None:
 
 
 def _socket(path: Path, _elsewhere: Path) -> None:
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(path))
-    s.close()
+    """Bound by its name from its directory: a deep temporary path (pytest-xdist's) can be
+    longer than AF_UNIX's 108 bytes."""
+    here = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path.name)
+    finally:
+        os.chdir(here)
 
 
 def _directory(path: Path, _elsewhere: Path) -> None:
@@ -357,7 +363,7 @@ DEAD = 999_999_999  # above any pid_max: no such process
         (f".node.json.{DEAD}.0123456789ab.tmp", ".node.json.", True),  # its own name
         (f".a.b.json.{DEAD}.0123456789ab.tmp", ".a.b.json.", True),  # dots in the name
         (f".a.json.{DEAD}.0123456789ab.tmp", ".b.json.", False),  # another name's
-        (f".node.json.{os.getpid()}.0123456789ab.tmp", ".", False),  # a live writer's
+        (".node.json.SELF.0123456789ab.tmp", ".", False),  # a live writer's (this test's pid)
         (".node.json.1.0123456789ab.tmp", ".", False),  # pid 1 runs
         (f".node.json.{DEAD}.0123.tmp", ".", False),  # not atomic_write's 12 hex digits
         (f".node.json.{DEAD}.0123456789xy.tmp", ".", False),
@@ -370,6 +376,9 @@ DEAD = 999_999_999  # above any pid_max: no such process
 def test_only_dead_writers_temporaries_are_swept(
     tmp_path: Path, entry: str, prefix: str, removed: bool
 ) -> None:
+    # The pid is put in here, not in the parameters: the test's id must not change per process
+    # (pytest-xdist's workers must collect the same tests).
+    entry = entry.replace("SELF", str(os.getpid()))
     (tmp_path / entry).write_text("{")
     assert files.sweep_dead_writers(tmp_path, prefix) == int(removed)
     assert (tmp_path / entry).exists() is not removed
