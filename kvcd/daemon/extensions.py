@@ -103,9 +103,10 @@ def stop(exts: list[Extension], fields: Mapping[str, str], exiting: Context | No
             ext.stop()
         except Exception:
             log.exception("extension %s did not stop cleanly", ext.name, extra=fields)
+    if exiting is None:
+        return
     for ext in exts:
         try:
-            if exiting is not None:
-                ext.at_exit(exiting)
+            ext.at_exit(exiting)
         except Exception:
             log.exception("extension %s: its last report failed", ext.name, extra=fields)

@@ -896,3 +896,52 @@ def test_an_extension_that_does_not_start_is_left_out(
     (rec,) = [r for r in caplog.records if "did not start" in r.getMessage()]
     assert rec.getMessage() == message
     assert (rec.exc_info is not None) is traceback
+
+
+class Told(Extension):
+    """Writes what it is told, in order, into a shared list; `fail` raises in that hook."""
+
+    def __init__(self, name: str, said: list[str], fail: str = "") -> None:
+        self.name, self._said, self._fail = name, said, fail
+
+    def _tell(self, what: str) -> None:
+        self._said.append(f"{what} {self.name}")
+        if what == self._fail:
+            raise KeyError("bug")
+
+    def stop(self) -> None:
+        self._tell("stop")
+
+    def at_exit(self, ctx: Context) -> None:
+        self._tell("exit")
+
+
+@pytest.mark.parametrize(
+    ("exiting", "fail", "said"),
+    [
+        # a reload's rebuild: stopped, no last word
+        (False, "", ["stop b", "stop a"]),
+        # the daemon exits: all stopped (the last started first), then each has its last word
+        (True, "", ["stop b", "stop a", "exit a", "exit b"]),
+        # one that fails is logged; the others still stop and still have their last word
+        (True, "stop", ["stop b", "stop a", "exit a", "exit b"]),
+        (True, "exit", ["stop b", "stop a", "exit a", "exit b"]),
+    ],
+)
+def test_stopping_the_extensions_and_their_last_word(
+    exiting: bool, fail: str, said: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    got: list[str] = []
+    ctx: Any = types.SimpleNamespace(fields={"KVCD_INSTANCE": "foo"})
+    exts: list[Extension] = [Told("a", got, fail), Told("b", got)]
+    extensions.stop(exts, ctx.fields, ctx if exiting else None)
+    assert got == said
+    failed = [r.getMessage() for r in caplog.records if r.exc_info]
+    assert (
+        failed
+        == {
+            "": [],
+            "stop": ["extension a did not stop cleanly"],
+            "exit": ["extension a: its last report failed"],
+        }[fail]
+    )
