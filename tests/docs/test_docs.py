@@ -677,3 +677,43 @@ def test_the_image_names_the_readme_shows_are_the_names_kvcd_gives() -> None:
     foo = re.search(r"instance `Foo` is `(localhost/kvcd/[^/`]+)/…`", text)
     assert foo is not None
     assert image_tag("Foo", None, "1.0", "6.1.0").startswith(f"{foo[1]}/")
+
+
+MAKEFILE = (REPO / "Makefile").read_text()
+MAKE_TARGETS = set(re.findall(r"^([a-z][a-z0-9-]*):", MAKEFILE, re.M))
+MAKE_VARIABLES = set(re.findall(r"^([A-Z][A-Z0-9_]*) *[?:]?=", MAKEFILE, re.M))
+# Another project's make, quoted: kmods-via-containers' `make install` (packaging/README.md).
+OTHERS_MAKE = {"make install"}
+
+
+def _make_commands() -> list[tuple[str, list[str]]]:
+    """Every `make …` the docs show (in a sh block, or in backquotes in the prose): where, and
+    its words after `make` (the VAR=value before it included)."""
+    found = []
+    for doc in DOCS:
+        for n, line in enumerate(doc.read_text().splitlines(), start=1):
+            for cmd in re.findall(r"`((?:[A-Z][A-Z0-9_]*=\S* )*make(?: [^`]*)?)`", line):
+                if cmd not in OTHERS_MAKE:
+                    found.append((f"{doc.relative_to(REPO)}:{n}", cmd))
+    for block in ALL_BLOCKS:
+        if block.lang == "sh":
+            for n, line in enumerate(block.text.splitlines(), start=block.line + 1):
+                if re.match(r"\s*(?:[A-Z][A-Z0-9_]*=\S* )*make\b", line):
+                    found.append((f"{block.doc.relative_to(REPO)}:{n}", line.split(" #", 1)[0]))
+    return [(where, shlex.split(cmd)) for where, cmd in found]
+
+
+def test_every_make_command_in_the_docs_is_the_makefile_s() -> None:
+    """`make demo`, `make check`, `TEST_JOBS=0 make test`: each target the Makefile has, each
+    variable one it sets (a renamed target or variable fails here, not for a reader)."""
+    commands = _make_commands()
+    assert len(commands) >= 8, commands  # the finder still finds them
+    for where, words in commands:
+        for word in words:
+            if word == "make":
+                continue
+            name, is_var, _ = word.partition("=")
+            if is_var:
+                assert name in MAKE_VARIABLES, f"{where}: the Makefile has no variable {name}"
+            else:
+                assert word in MAKE_TARGETS, f"{where}: the Makefile has no target {word!r}"
