@@ -25,6 +25,7 @@ import pytest
 from kvcd.host.paths import HostRoot
 from tests import fakehost
 from tests.fakeapi import QuietHandler, serving
+from tests.promtext import Samples, goals, samples
 
 pytestmark = pytest.mark.integration
 
@@ -309,27 +310,19 @@ def test_sigterm_during_a_build_stops_at_once(
     assert "STOPPING=1" in "".join(daemon.messages)
 
 
-def prom_samples(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
-    """The instance's node_exporter textfile, parsed by prometheus_client; None while absent."""
-    from prometheus_client.parser import text_string_to_metric_families
+MODS = ("kvcd_base", "kvcd_user")
 
-    path = daemon.root("/run/kvcd/metrics/kvcd-e2e.prom")
+
+def prom_samples(daemon: Daemon) -> Samples | None:
+    """The instance's node_exporter textfile, parsed; None while absent."""
     try:
-        text = path.read_text()
+        return samples(daemon.root("/run/kvcd/metrics/kvcd-e2e.prom").read_text())
     except FileNotFoundError:
         return None
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
-def loaded_in_textfile(got: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> list[float]:
+def loaded_in_textfile(got: Samples) -> list[float]:
     return [got[("kvcd_module_loaded", (("instance", "e2e"), ("module", m)))] for m in MODS]
-
-
-MODS = ("kvcd_base", "kvcd_user")
 
 
 def test_the_metrics_textfile_says_what_the_stop_left(daemon: Daemon) -> None:
@@ -352,8 +345,7 @@ def test_the_metrics_textfile_says_what_the_stop_left(daemon: Daemon) -> None:
     got = prom_samples(daemon)
     assert got is not None
     assert loaded_in_textfile(got) == [0.0, 0.0], got
-    info = [k for k in got if k[0] == "kvcd_instance_info"]
-    assert info and dict(info[0][1])["goal"] == "unloaded", info
+    assert goals(got) == ["unloaded"], got
     assert got[("kvcd_instance_state", (("instance", "e2e"), ("state", "Done")))] == 1.0
     leftover = [
         p for p in psutil.process_iter(["cmdline"])

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcd import cli
 from kvcd.config.model import Settings
@@ -21,6 +20,7 @@ from kvcd.daemon import metrics
 from kvcd.daemon.events import Context
 from kvcd.daemon.record import Record
 from kvcd.host.paths import HostRoot
+from tests.promtext import goals, samples
 from tests.unit.test_instance import FakePodman, K, instance, instance_host
 
 
@@ -141,14 +141,6 @@ def test_a_failed_change_observes_no_durations(host: HostRoot) -> None:
 
 
 # --- the Prometheus text -----------------------------------------------------------------------
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def recorded(root: HostRoot, name: str, **kw: Any) -> None:
@@ -389,8 +381,7 @@ def test_a_stop_cuts_the_running_child_and_the_exit_writes_what_the_stop_left(
     assert calls == ["nic"]
     got = samples(root("/run/kvcd/metrics/kvcd-nic.prom").read_text())
     assert got[("kvcd_module_loaded", (("instance", "nic"), ("module", "mod_a")))] == 0.0
-    info = [dict(k[1]) for k in got if k[0] == "kvcd_instance_info"]
-    assert [i["goal"] for i in info] == ["unloaded"]
+    assert goals(got) == ["unloaded"]
 
 
 @pytest.mark.parametrize(
