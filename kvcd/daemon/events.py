@@ -139,10 +139,10 @@ class Extension:
         """Stop the watchers: on exit, and before the set is rebuilt on a reload."""
         return None
 
-    def at_exit(self, ctx: Context) -> None:
-        """The daemon exits (stopped, or failed for good), after `stop`: leave what this
-        extension reports saying what the record says now. The record a stop's unload writes
-        reaches no after-hook."""
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        """The daemon exits (stopped, or failed for good), before `stop`: leave what this
+        extension reports saying what `record` (the one on disk now; None: none, or unreadable)
+        says. The record a stop's unload (or its refusal) writes reaches no after-hook."""
         return None
 
     def interval(self) -> float | None:

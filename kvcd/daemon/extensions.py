@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvcd.config.model import InstanceConfig, Settings
 from kvcd.daemon.events import Context, Extension
 from kvcd.host import files
+
+if TYPE_CHECKING:
+    from kvcd.daemon.record import Record
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +100,29 @@ def start(exts: list[Extension], ctx: Context) -> list[Extension]:
 
 
 def stop(exts: list[Extension], fields: Mapping[str, str], exiting: Context | None = None) -> None:
-    """Stop each, the last started first. `exiting`: the daemon exits, and then each has its
-    last word (`at_exit`), in the order they were started."""
+    """Stop each, the last started first. `exiting`: the daemon exits, and each first has its
+    last word (`at_exit`, in the order they were started, with the record on disk now) while
+    what it reports through (the node link) is still open."""
+    if exiting is not None:
+        record = last_record(exiting)
+        for ext in exts:
+            try:
+                ext.at_exit(exiting, record)
+            except Exception:
+                log.exception("extension %s: its last report failed", ext.name, extra=fields)
     for ext in reversed(exts):
         try:
             ext.stop()
         except Exception:
             log.exception("extension %s did not stop cleanly", ext.name, extra=fields)
-    if exiting is None:
-        return
-    for ext in exts:
-        try:
-            ext.at_exit(exiting)
-        except Exception:
-            log.exception("extension %s: its last report failed", ext.name, extra=fields)
+
+
+def last_record(ctx: Context) -> Record | None:
+    """The record as the daemon leaves it; None: none, or one that cannot be read (said here)."""
+    from kvcd.daemon.record import Record
+
+    try:
+        return Record.load(ctx.root, ctx.name)
+    except OSError as exc:  # files.Damaged / files.Refused: the last words say Unknown
+        log.warning("the record cannot be read: %s", files.os_error(exc), extra=ctx.fields)
+        return None

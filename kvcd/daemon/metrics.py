@@ -150,15 +150,12 @@ class MetricsFile(Extension):
         if thread is not None:  # the child is killed at once (run.run's cancel)
             thread.join(STOP_WAIT)  # bounded all the same: a stop must not hang on a metric
 
-    def at_exit(self, ctx: Context) -> None:
-        """The daemon exits: the textfile says what the record says now. A stop's unload or a
-        failure for good reaches no after-hook, and systemd kills what a unit leaves running,
-        so this last write is the daemon's own (prometheus_client is imported only now)."""
-        try:
-            record = Record.load(ctx.root, ctx.name)
-        except OSError as exc:  # damaged or unreadable: the textfile says Unknown
-            log.warning("metrics: %s", files.os_error(exc), extra=ctx.fields)
-            record = None
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        """The daemon exits: the textfile says what the record says now (Unknown when there is
+        none to read). A stop's unload or a failure for good reaches no after-hook, and systemd
+        kills what a unit leaves running, so the running child is cut and this last write is
+        the daemon's own (prometheus_client is imported only now)."""
+        self.stop()
         changed = record is not None and self._note(ctx, record)
         if not ctx.settings.metrics_dir or not (changed or self._again or record is None):
             return

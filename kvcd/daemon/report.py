@@ -175,6 +175,26 @@ class Reporter(Extension):
         self._cancel()
         self.link.stop()
 
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        """The node says what the daemon leaves: a stop's unload, or the stop refused
+        (ModuleInUse), reaches no after-hook. One try, no retry after the daemon: a node that
+        could not be reached at the last report is not waited for (the journal says what it
+        keeps)."""
+        self._cancel()
+        if record is None or self.link.writer is None:
+            return
+        if self._since is not None:
+            log.warning(
+                "node unreachable: it keeps the state reported before (%s); this one is "
+                "not published: %s",
+                self.link.writer.failing or "unavailable",
+                record.state if not record.reason else f"{record.state}: {record.reason}",
+                extra=ctx.fields,
+            )
+            return
+        self.after(ctx, record)
+        self._cancel()
+
     def _cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()

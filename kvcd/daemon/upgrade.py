@@ -129,3 +129,9 @@ class OrderedUpgrade(Extension):
         loaded = record.state == DONE and record.goal == "loaded"
         self.link.extra[keys.ready] = record.version if loaded else None
         return None
+
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        """`.ready` follows a stop too (removed once the modules are unloaded); the Reporter,
+        whose last word comes after this one, publishes it."""
+        if record is not None:
+            self.after(ctx, record)

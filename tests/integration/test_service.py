@@ -352,3 +352,30 @@ def test_the_metrics_textfile_says_what_the_stop_left(daemon: Daemon) -> None:
         if str(daemon.root.root) in " ".join(p.info["cmdline"] or ())
     ]  # fmt: skip
     assert not leftover, [p.info["cmdline"] for p in leftover]
+
+
+def node_annotations(daemon: Daemon) -> dict[str, str]:
+    """The file backend's node (the default: no cluster), as `kvcd annotate` lists it."""
+    out = daemon.cli("annotate")
+    assert out.returncode == 0, out.stderr
+    return dict(line.split("=", 1) for line in out.stdout.splitlines())
+
+
+def test_the_node_annotations_say_a_refused_stop(daemon: Daemon) -> None:
+    """A stop the policy refuses (a module in use, unload_policy = if-idle) fails the unit with
+    the modules loaded and the record Degraded (ModuleInUse); the node says so as well once
+    `kvcd run` has exited, not the Done of the last cycle."""
+    daemon.start()
+    daemon.messages_until("READY=1")
+    deadline = time.monotonic() + 60
+    while node_annotations(daemon).get("kvcd.io/e2e.state") != "Done":
+        assert time.monotonic() < deadline, node_annotations(daemon)
+        time.sleep(0.1)
+    (daemon.root.sys_module / "kvcd_base" / "refcnt").write_text("1\n")  # in use by someone
+    daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert daemon.proc.wait(timeout=30) == 1  # type: ignore[union-attr]
+    assert (daemon.root.sys_module / "kvcd_base").exists()  # never forced out
+    assert daemon.status()["state"] == "Degraded"
+    got = node_annotations(daemon)
+    assert got.get("kvcd.io/e2e.state") == "Degraded", got
+    assert got.get("kvcd.io/e2e.reason", "").startswith("ModuleInUse: kvcd_base"), got

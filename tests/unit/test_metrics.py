@@ -16,7 +16,7 @@ from kvcd.config.model import Settings
 from kvcd.core import metrics as m
 from kvcd.core import state
 from kvcd.core.state import StepFailed
-from kvcd.daemon import metrics
+from kvcd.daemon import extensions, metrics
 from kvcd.daemon.events import Context
 from kvcd.daemon.record import Record
 from kvcd.host.paths import HostRoot
@@ -366,18 +366,18 @@ def _hook_with_a_child_running(
     return hook, ctx, calls
 
 
-def test_a_stop_cuts_the_running_child_and_the_exit_writes_what_the_stop_left(
+def test_the_exit_cuts_the_running_child_and_writes_what_the_stop_left(
     root: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hook, ctx, calls = _hook_with_a_child_running(root, monkeypatch)
-    t0 = time.monotonic()
-    hook.stop()
-    assert time.monotonic() - t0 < 5  # not the fake's 10 s: it was cut
     # The stop's unload, which no after-hook sees.
     (root.sys_module / "mod_a").rmdir()
     Record("nic", "Done", goal="unloaded", modules=["mod_a"], updated=2.0).write(root)
+    t0 = time.monotonic()
+    hook.at_exit(ctx, extensions.last_record(ctx))
+    assert time.monotonic() - t0 < 5  # not the fake's 10 s: it was cut
     hook.after(ctx, Record("nic", "Done", goal="unloaded", updated=3.0))  # stopped: no child
-    hook.at_exit(ctx)
+    hook.stop()
     assert calls == ["nic"]
     got = samples(root("/run/kvcd/metrics/kvcd-nic.prom").read_text())
     assert got[("kvcd_module_loaded", (("instance", "nic"), ("module", "mod_a")))] == 0.0
@@ -411,7 +411,7 @@ def test_what_the_exit_writes(root: HostRoot, metrics_dir: str, record: str, wri
         Record("nic", "Done", goal="unloaded", updated=2.0).write(root)
     elif record == "damaged":
         root.state_file("nic").write_text("garbage{")
-    hook.at_exit(ctx)
+    hook.at_exit(ctx, extensions.last_record(ctx))
     assert prom.exists() == written
     if record == "damaged":
         got = samples(prom.read_text())

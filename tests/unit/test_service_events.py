@@ -912,8 +912,8 @@ class Told(Extension):
     def stop(self) -> None:
         self._tell("stop")
 
-    def at_exit(self, ctx: Context) -> None:
-        self._tell("exit")
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        self._tell(f"exit {record.state if record else None}")
 
 
 @pytest.mark.parametrize(
@@ -921,18 +921,21 @@ class Told(Extension):
     [
         # a reload's rebuild: stopped, no last word
         (False, "", ["stop b", "stop a"]),
-        # the daemon exits: all stopped (the last started first), then each has its last word
-        (True, "", ["stop b", "stop a", "exit a", "exit b"]),
-        # one that fails is logged; the others still stop and still have their last word
-        (True, "stop", ["stop b", "stop a", "exit a", "exit b"]),
-        (True, "exit", ["stop b", "stop a", "exit a", "exit b"]),
+        # the daemon exits: each has its last word (in start order, with the record on disk,
+        # while what it reports through is open), then all stop (the last started first)
+        (True, "", ["exit Done a", "exit Done b", "stop b", "stop a"]),
+        # one that fails is logged; the others still have their last word and still stop
+        (True, "stop", ["exit Done a", "exit Done b", "stop b", "stop a"]),
+        (True, "exit Done", ["exit Done a", "exit Done b", "stop b", "stop a"]),
     ],
 )
 def test_stopping_the_extensions_and_their_last_word(
-    exiting: bool, fail: str, said: list[str], caplog: pytest.LogCaptureFixture
+    exiting: bool, fail: str, said: list[str], caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     got: list[str] = []
-    ctx: Any = types.SimpleNamespace(fields={"KVCD_INSTANCE": "foo"})
+    root = HostRoot(tmp_path)
+    Record("foo", "Done", goal="unloaded").write(root)
+    ctx: Any = types.SimpleNamespace(fields={"KVCD_INSTANCE": "foo"}, root=root, name="foo")
     exts: list[Extension] = [Told("a", got, fail), Told("b", got)]
     extensions.stop(exts, ctx.fields, ctx if exiting else None)
     assert got == said
@@ -942,6 +945,6 @@ def test_stopping_the_extensions_and_their_last_word(
         == {
             "": [],
             "stop": ["extension a did not stop cleanly"],
-            "exit": ["extension a: its last report failed"],
+            "exit Done": ["extension a: its last report failed"],
         }[fail]
     )

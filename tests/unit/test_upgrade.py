@@ -379,6 +379,79 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         svc.stop_extensions()
 
 
+@pytest.mark.parametrize(
+    ("refcnt", "code", "node_state", "reason"),
+    [
+        ("0", 0, "Done", None),  # unloaded: `.ready` goes, the state stays Done
+        ("1", 1, "Degraded", "ModuleInUse: kvcd_base"),  # refused: the node says so
+    ],
+)
+def test_the_node_says_what_a_stop_left(
+    host: HostRoot,
+    monkeypatch: pytest.MonkeyPatch,
+    refcnt: str,
+    code: int,
+    node_state: str,
+    reason: str | None,
+) -> None:
+    """A stop's unload (or its refusal) reaches no after-hook: the last words of the ordered
+    upgrade and the Reporter publish it, through the node link that is still open."""
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+    monkeypatch.setattr(extensions, "build", node_extensions)
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    label(host, "1.0")
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and (rec.state, rec.goal) == ("Done", "loaded")
+        svc.run_late(rec)  # the Reporter is deferred: started and run by the late hooks
+        assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
+        (host.sys_module / "kvcd_base" / "refcnt").write_text(f"{refcnt}\n")
+        assert svc.stop() == code
+    finally:
+        svc.stop_extensions(exiting=True)
+    ann = FileBackend(host, "n1").read().annotations
+    assert ann["kvcd.io/e2e.state"] == node_state, ann
+    assert "kvcd.io/e2e.ready" not in ann, ann
+    if reason is None:
+        assert "kvcd.io/e2e.reason" not in ann, ann
+    else:
+        assert ann["kvcd.io/e2e.reason"].startswith(reason), ann
+
+
+def test_an_unreachable_node_is_not_waited_for_at_exit(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node could not be written at the last report: the daemon's exit does not try again
+    (a cluster's API server can take its request timeout per try); the journal says what the
+    node keeps and what it was not told."""
+    tries: list[int] = []
+
+    def update(self: FileBackend, change: Any, labels: Any = None) -> Any:
+        from kvcd.node.backend import Unavailable
+
+        tries.append(1)
+        raise Unavailable("connection refused")
+
+    monkeypatch.setattr(FileBackend, "update", update)
+    link = NodeLink(load_settings(host), opener=lambda c: FileBackend(c.root, "n1"))
+    ext = Reporter(link)
+    ctx = ctx_for(host)
+    ext.start(ctx)
+    try:
+        ext.after(ctx, Record("e2e", "Done", version="1.0", goal="loaded", kernel=K))
+        assert tries
+        tries.clear()
+        stopped = Record(
+            "e2e", "Degraded", code="ModuleInUse", detail="kvcd_base is held", kernel=K
+        )
+        ext.at_exit(ctx, stopped)
+    finally:
+        ext.stop()
+    assert tries == []
+    [said] = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
+    assert "connection refused" in said and "Degraded: ModuleInUse: kvcd_base is held" in said
+
+
 def to_step_2(host: HostRoot) -> Service:
     """A `kvcd run` with 1.0 loaded by the label, then the config moved to 2.0 (KMM step 2)."""
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())

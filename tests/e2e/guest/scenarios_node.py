@@ -10,6 +10,8 @@
      module stays loaded. The test modules register no device node, so the holder here is a
      module loaded by hand (kvcd_user holding kvcd_base); a process holding a device node is
      covered on the host (tests/unit/test_node_procs.py, test_drain.py).
+(n2b) The same held module, with the label back: `systemctl stop` is refused (if-idle), the unit
+     fails, and the node says Degraded / ModuleInUse with no `.ready` (the daemon's last word).
 (n3) drain = "cluster": the same blocked unload becomes a node drain request (`kvcd.io/drain =
      Drain_Required`); `kvcd annotate kvcd.io/drain-current=DrainComplete` plays the drain
      controller after the holder is gone; the change is applied and the request goes back to Idle.
@@ -198,6 +200,28 @@ def test_n2_held_module_refused_with_holder_named() -> None:
     assert any("kvcd_user" in json.loads(line).get("KVCD_HOLDERS", "") for line in j.splitlines())
 
 
+def test_n2b_a_refused_stop_is_said_on_the_node() -> None:
+    # Still held by kvcd_user (n2). The label back at 2.0: Done, and `.ready` says 2.0.
+    sh(["kvcd", "label", f"{LABEL}=2.0"])
+    wait_for(lambda: ann("ready") == "2.0" and ann("state") == "Done", 120, "ready = 2.0, Done")
+    # The stop is refused (if-idle, in use): the unit fails, the module stays, and the node is
+    # told as the daemon exits, not left at the Done of the last cycle.
+    sh(["systemctl", "stop", UNIT], check=False, timeout=600)
+    assert unit_prop("ActiveState", UNIT) == "failed", unit_prop("ActiveState", UNIT)
+    assert "kvcd_base" in loaded()
+    assert ann("state") == "Degraded", annotations()
+    assert (ann("reason") or "").startswith("ModuleInUse: kvcd_base is held by kvcd_user"), ann(
+        "reason"
+    )
+    assert ann("ready") is None, annotations()  # KMM's readiness: not while kvcd is gone
+    # Back to where n2 left it, for n3: running, the label removed, the unload refused.
+    sh(["systemctl", "reset-failed", UNIT])
+    sh(["kvcd", "label", f"{LABEL}-"])
+    sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+    st = settle("Degraded")
+    assert st["reason"].startswith("ModuleInUse: kvcd_base is held by kvcd_user"), st
+
+
 def test_n3_cluster_drain_handshake() -> None:
     write_instance("2.0", modules=("kvcd_base",), drain="cluster")
     sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
@@ -255,6 +279,8 @@ def test_n5_unload_policy_drain_waits_for_drain_complete_on_stop() -> None:
     assert "kvcd_base" not in loaded()
     a = annotations()
     assert a.get("kvcd.io/drain") == "Idle" and f"kvcd.io/{NAME}.drain" not in a, a
+    # What the stop left, on the node: Done, and no `.ready` for a version no longer loaded.
+    assert a.get(f"kvcd.io/{NAME}.state") == "Done" and f"kvcd.io/{NAME}.ready" not in a, a
     sh(["kvcd", "annotate", "kvcd.io/drain-current-"])
 
 
