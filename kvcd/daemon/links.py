@@ -81,6 +81,8 @@ class LinkReadiness(Extension):
         self.watch_off = "not started"  # why no netlink events arrive ("" = they do)
         self.since: float | None = None  # when the current wait began
         self.said: Verdict | None = None  # this hook's last amendment of the record
+        self.covered: Verdict | None = None  # what that amendment replaced (Done, its reason)
+        self.ready = False  # the last check found every expected link
         self.timer: Any = None
         self.post: Callable[[Event], None] | None = None
 
@@ -118,8 +120,17 @@ class LinkReadiness(Extension):
         return said is not None and record.says(said.state, said.code, said.detail)
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
-        self.said = self._after(ctx, record)
-        return self.said
+        if not self._ours(record):
+            self.covered = Verdict(HOLD, record.state, record.code, record.detail)
+        said = self._after(ctx, record)
+        if said is None and self._ours(record) and self.ready:
+            # The links came up, and no cycle wrote the record since this hook amended it (one
+            # that held the record: drift's quiet check, a next-kernel event): give back what
+            # the amendment covered, or it would say Working (or LinksMissing) for good.
+            self.said = None
+            return self.covered
+        self.said = said
+        return said
 
     def _after(self, ctx: Context, record: Record) -> Verdict | None:
         specs = ctx.cfg.expect_links
@@ -128,6 +139,7 @@ class LinkReadiness(Extension):
             and record.goal == "loaded"
             and all(sysmodule.read_module(ctx.root, m.kernel_name) for m in ctx.cfg.modules)
         )
+        self.ready = False
         if not specs or not loaded:
             self.since = None
             self._cancel()
@@ -148,6 +160,7 @@ class LinkReadiness(Extension):
                 "missing": [spec.describe() for spec in missing],
             },
         )
+        self.ready = not missing
         if not missing:
             if self.since is not None:
                 log.info(

@@ -338,6 +338,35 @@ def test_link_after_hook(
         assert FakeTimer.made == []
 
 
+@pytest.mark.parametrize("amended", [WAITING, TIMED_OUT], ids=["waiting", "timed-out"])
+def test_links_that_come_up_on_a_held_cycle_give_the_outcome_back(
+    host: HostRoot, amended: Verdict
+) -> None:
+    """No netlink event (the watch refused, or missed): the links come up and the next cycle
+    holds the record (drift's quiet check, a next-kernel event), so it hands the hook its own
+    amendment back. The hook gives back what it covered, or the record would say Working (or
+    LinksMissing) for good, with the deadline's timer already cancelled."""
+    cfg = cfg_for(host, LINKS_CFG + BUILD)
+    for m in MODS:
+        (host.sys_module / m).mkdir(parents=True)
+    seen: list[LinkView] = []
+    clock = Clock()
+    FakeTimer.made = []
+    ext = links.LinkReadiness(lambda _r: list(seen), FakeLinkWatch, clock, FakeTimer)
+    ctx = context(host, cfg)
+    ext.start(ctx)
+    done = record()
+    done.code, done.detail = state.UPGRADE_PENDING, "label says 1.0"  # a Done with its reason
+    assert ext.after(ctx, done) == WAITING
+    clock.now += 60 if amended == TIMED_OUT else 0
+    assert ext.after(ctx, held(WAITING)) == amended
+    seen.append(DUMMY_UP)
+    back = Verdict(HOLD, state.DONE, state.UPGRADE_PENDING, "label says 1.0")
+    assert ext.after(ctx, held(amended)) == back
+    restored = held(back)
+    assert ext.after(ctx, restored) is None  # said once; the restored record is not its own
+
+
 def test_links_that_cannot_be_listed_degrade(host: HostRoot) -> None:
     cfg = cfg_for(host, LINKS_CFG + BUILD)
     for m in MODS:
