@@ -63,16 +63,17 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
 
         out.append(LinkReadiness())
     # ... other verdict extensions go here ...
+    # Every required library imported for real (the start only looked them up): its idle work,
+    # which only starts a thread, comes before the next kernel's, which may build for minutes.
+    from kvcd.daemon.libraries import LibraryProof
+
+    out.append(LibraryProof())
     # Next kernel (issue #4): holds only the cycles its own events cause (the instance stays as
     # recorded while its after-hook prepares the next kernel and fills the record's next_kernel
     # fields), so it goes last among the verdicts and before the reporter.
     from kvcd.daemon.nextkernel import NextKernel
 
     out.append(NextKernel(settings))
-    # Every required library imported for real, after READY=1 (the start only looked them up).
-    from kvcd.daemon.libraries import LibraryProof
-
-    out.append(LibraryProof())
     # Metrics: the counts kept on disk, the textfile rewritten in a child (after READY=1).
     from kvcd.daemon.metrics import MetricsFile
 

@@ -1,10 +1,13 @@
 """The required libraries, imported for real once the start is settled.
 
 `kvcd run` only looks them up before it starts (kvcd/cli.py: importing podman-py and pyroute2
-is most of a cached start's CPU, and a cached start needs neither). This late hook has a child
-interpreter import every one after READY=1: a library that is installed but does not import
-(built for another Python, a broken dependency) is said at once, the instance Degraded with the
-import error, for as long as the process runs, rather than when a later step first needs it.
+is most of a cached start's CPU, and a cached start needs neither). This extension's idle work
+has a child interpreter import every one after READY=1: a library that is installed but does
+not import (built for another Python, a broken dependency) is said at once, the instance
+Degraded with the import error, for as long as the process runs, rather than when a later step
+first needs it. The cycles still apply what they decide; each one's outcome is amended by an
+early after-hook, so READY=1, a reload's answer and the node all say Degraded, never the Done
+the load alone would say.
 In a child, so that the proof does not leave them resident: podman-py with requests, and
 pyroute2, would be most of the daemon's memory (issue #20); a step that needs one imports it.
 
@@ -41,18 +44,22 @@ class LibraryProof(Extension):
     wakes is held Degraded from then on."""
 
     name = "libraries"
-    late = True
 
     def __init__(self) -> None:
         self.proof: threading.Thread | None = None
         self.problem: str | None = None  # set once, by the proof's thread
 
+    def wants_idle(self) -> bool:
+        return self.proof is None
+
+    def idle(self, ctx: Context) -> None:
+        """The first idle moment after READY=1: the proof starts."""
+        self.proof = threading.Thread(
+            target=self._prove, args=(ctx,), name="kvcd-libraries", daemon=True
+        )
+        self.proof.start()
+
     def after(self, ctx: Context, record: Record) -> Verdict | None:
-        if self.proof is None:
-            self.proof = threading.Thread(
-                target=self._prove, args=(ctx,), name="kvcd-libraries", daemon=True
-            )
-            self.proof.start()
         if self.problem is None:
             return None
         return Verdict(HOLD, state.DEGRADED, state.HOST_ERROR, self.problem)

@@ -271,10 +271,11 @@ def test_a_missing_required_library_stops_check_config_and_run(
 def test_a_required_library_that_is_installed_but_broken_degrades_the_running_instance(
     tmp_path: Path, fake_commands: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The start only looks the libraries up; the late hook has a child import them for real,
-    beside the loop: one that does not import wakes it, and keeps the instance Degraded with
-    its import error, cycle after cycle (tests/integration/test_daemon_imports.py: the child
-    itself)."""
+    """The start only looks the libraries up; the idle work after READY=1 has a child import
+    them for real, beside the loop: one that does not import wakes it, and keeps the instance
+    Degraded with its import error, cycle after cycle, from the early after-hooks: the outcome
+    a reload's answer and READY=1 give (before the late hooks) says it too
+    (tests/integration/test_daemon_imports.py: the child itself)."""
     from kvcd.daemon import libraries
 
     release = threading.Event()
@@ -289,9 +290,13 @@ def test_a_required_library_that_is_installed_but_broken_degrades_the_running_in
     root = fakehost.instance_host(HostRoot(tmp_path), K, fake_commands, monkeypatch, config, mods)
     monkeypatch.setattr(libraries.pylibs, "require_all_in_child", broken)
     svc = Service(root, "e2e", K, fakehost.RecordingNotifier())
-    rec = svc.reconcile()  # the proof starts beside the loop: this cycle does not wait for it
+    svc.defer_late = True  # as `kvcd run` does: the late hooks wait for run_late
+    rec = svc.reconcile()
     assert rec is not None and rec.state == state.DONE, rec
     proof = next(e for e in svc.exts if isinstance(e, libraries.LibraryProof))
+    assert proof.proof is None  # not before READY=1
+    svc.mail.drain()  # the loop's idle moment: no event waits
+    svc._idle()  # the proof starts beside the loop: the loop does not wait for it
     assert proof.proof is not None
     release.set()
     proof.proof.join(timeout=30)
