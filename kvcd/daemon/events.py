@@ -130,6 +130,11 @@ class Extension:
     so the modules are live without waiting for what its start costs (the node backend's
     client and watch). Its hooks run after every other extension's."""
 
+    reports = False
+    """Its after-hook only publishes the record (the node, the metrics textfile) and never
+    amends it: it also gets a record no cycle's hooks see, the one a config kvcd cannot use
+    leaves (Degraded, ConfigInvalid: the extensions of the last good config keep running)."""
+
     def start(self, ctx: Context) -> None:
         """Start the watchers (their threads may `ctx.post`). Called on the first good config
         and when a reload changes it (a deferred extension: at the cycle's late hooks)."""

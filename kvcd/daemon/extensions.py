@@ -118,6 +118,21 @@ def stop(exts: list[Extension], fields: Mapping[str, str], exiting: Context | No
             log.exception("extension %s did not stop cleanly", ext.name, extra=fields)
 
 
+def report(exts: list[Extension], ctx: Context, fields: Mapping[str, str]) -> None:
+    """A record no cycle's hooks see (a config kvcd cannot use: Degraded, ConfigInvalid) to
+    the extensions that report it (`reports`: the node, the metrics textfile)."""
+    record = last_record(ctx)
+    if record is None:
+        return
+    for ext in exts:
+        if not ext.reports:
+            continue
+        try:
+            ext.after(ctx, record)
+        except Exception:  # one reporter's failure must not take the instance down
+            log.exception("extension %s: its report failed", ext.name, extra=fields)
+
+
 def last_record(ctx: Context) -> Record | None:
     """The record as the daemon leaves it; None: none, or one that cannot be read (said here)."""
     from kvcd.daemon.record import Record

@@ -123,6 +123,7 @@ class MetricsFile(Extension):
 
     name = "metrics"
     late = True
+    reports = True
 
     def __init__(self) -> None:
         self._saved: m.Counts | None = None

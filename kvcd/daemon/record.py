@@ -318,3 +318,23 @@ _FIELD_TYPES: dict[str, Callable[[object], bool]] = {
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
 _FIELD_TYPES["list[str] | None"] = _opt(_FIELD_TYPES["list[str]"])
+
+
+def status_text(root: HostRoot, name: str, record: Record | None, retry_at: float | None) -> str:
+    """systemd's STATUS= for a cycle's outcome. None: a bad config or a failure, which the
+    record on disk says (`retry_at`: a transient one's next try, on the wall clock)."""
+    if record is None:
+        try:
+            recorded = Record.load(root, name)
+        except OSError:
+            recorded = None
+        if recorded is not None and recorded.state == state.DEGRADED and recorded.reason:
+            text = f"{state.DEGRADED}: {recorded.reason}"
+        else:
+            text = "Degraded; see kvcd status"
+        if retry_at is not None:  # a transient failure: say when it is tried again
+            text = f"{text[:160]}; retrying in {max(0.0, retry_at - time.time()):.0f}s"
+        return text[:200]
+    if record.state == state.DONE:
+        return f"Done: {name} " + (record.reason or record.goal)
+    return f"{record.state}: {record.reason}"[:200]

@@ -6,8 +6,9 @@ whose views it fans out to the extensions that listen (ordered upgrade, drain). 
 only forwards; every decision happens on the main thread in verdict/after.
 
 `Reporter` is the extension whose after-hook runs last and publishes the instance's record as
-node annotations (`<p>/<stem>.state|reason|version|kernel|next-kernel|boot-id`, plus keys other
-extensions queue in `link.extra`, e.g. `.ready`), the node-wide OS-update gate when its
+node annotations (`<p>/<stem>.state|reason|version|kernel|next-kernel|boot-id`, and `.ready`
+under ordered upgrade: from the final record, after every hook amended it), the node-wide
+OS-update gate when its
 next-kernel value changes (label `<p>/upgradeable`, annotation `<p>/upgradeable-reason`), and a
 node Event on each state change (a post that fails is said once at WARNING). When
 the node cannot be reached it keeps everything as it is and retries on a timer: an instance never
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvcd.config.model import Settings
 from kvcd.core import ahead, nodeevents, upgradegate
+from kvcd.core.state import DONE
 from kvcd.daemon.events import Context, Event, Extension, Verdict
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
@@ -63,8 +65,6 @@ class NodeLink:
         self._users = 0
         self._listeners: list[Callable[[NodeView], None]] = []
         self._lock = threading.Lock()
-        # Keys other extensions want published with the next report (None removes the key).
-        self.extra: dict[str, str | None] = {}
 
     def keys(self, ctx: Context) -> Keys:
         return Keys(self.prefix, ctx.name)
@@ -106,9 +106,14 @@ class NodeLink:
         backend.stop()
 
 
-def node_patch(keys: Keys, record: Record) -> dict[str, str | None]:
-    """The instance's annotations for `record` (None removes a key that no longer applies)."""
+def node_patch(keys: Keys, record: Record, ordered: bool = False) -> dict[str, str | None]:
+    """The instance's annotations for `record` (None removes a key that no longer applies).
+    `ordered` (ordered upgrade, KMM's protocol): `.ready` names the version verified loaded:
+    Done and loaded (an UpgradePending hold is Done and keeps the version that is loaded);
+    anything else, or no ordered upgrade, removes it."""
+    loaded = ordered and record.state == DONE and record.goal == "loaded"
     patch: dict[str, str | None] = {
+        keys.ready: record.version if loaded and record.version else None,
         keys.state: record.state,
         keys.reason: record.reason or None,
         keys.of("version"): record.version or None,
@@ -142,6 +147,7 @@ class Reporter(Extension):
 
     name = "node-report"
     late = True  # publishes the outcome after READY=1 (the last late hook)
+    reports = True
     # Started then too: opening the node backend may import the Kubernetes client (seconds in
     # a slow guest), which the load does not need unless drain or ordered upgrade started it.
     deferred = True
@@ -250,8 +256,7 @@ class Reporter(Extension):
         if writer is None:
             return None
         keys = self.link.keys(ctx)
-        patch = node_patch(keys, record)
-        patch.update(self.link.extra)
+        patch = node_patch(keys, record, ctx.cfg.ordered_upgrade)
         if not writer.write(patch):
             self._unreachable(ctx, writer.failing or "unavailable")
             self._retry_later(ctx)

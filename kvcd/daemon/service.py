@@ -31,7 +31,7 @@ from kvcd.daemon import control, extensions, storegc
 from kvcd.daemon.events import HOLD, LOAD, SKIP, Context, Event, Extension, Mailbox, Verdict
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
-from kvcd.daemon.record import Record
+from kvcd.daemon.record import Record, status_text
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
@@ -161,6 +161,8 @@ class Service:
             record_failure(
                 self.root, self.name, self.kernel, state.CONFIG_INVALID, str(exc), os.getpid()
             )
+            if self.ctx is not None:  # nothing on the host changes; the reporters say it
+                extensions.report(self.exts, self.ctx, self.fields)
             return None
         if self.ctx is None:  # the module tree is chosen once, at start
             self.root = root
@@ -474,22 +476,7 @@ class Service:
 
     def _announce(self, record: Record | None, ready: bool) -> bool:
         """READY=1 once the outcome is settled (Done or Degraded, not Working); STATUS= always."""
-        if record is None:  # a bad config or a failure for good: its record says which
-            try:
-                recorded = Record.load(self.root, self.name)
-            except OSError:
-                recorded = None
-            if recorded is not None and recorded.state == state.DEGRADED and recorded.reason:
-                text = f"{state.DEGRADED}: {recorded.reason}"
-            else:
-                text = "Degraded; see kvcd status"
-            if self.retry_at is not None:  # a transient failure: say when it is tried again
-                text = f"{text[:160]}; retrying in {max(0.0, self.retry_at - time.time()):.0f}s"
-            text = text[:200]
-        elif record.state == state.DONE:
-            text = f"Done: {self.name} " + (record.reason or record.goal)
-        else:
-            text = f"{record.state}: {record.reason}"[:200]
+        text = status_text(self.root, self.name, record, self.retry_at)
         if record is not None and record.state == state.WORKING:
             self.notify.status(text)
             return ready

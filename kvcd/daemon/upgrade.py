@@ -5,8 +5,8 @@ Watches the node through the shared NodeLink; a change of the instance's label p
 loaded version from /sys/module and the module root, and whether kvcd's store still has the
 labelled version for this kernel, and returns LOAD (of the configured version, or of the
 labelled one from the store) / UNLOAD / HOLD per the literal table in kvcd.core.upgrade. Never
-seen the label and cannot read it -> HOLD (keep the modules as they are). `after()` queues
-`<p>/<stem>.ready` = the loaded version (removed when not loaded) for the Reporter.
+seen the label and cannot read it -> HOLD (keep the modules as they are). The Reporter publishes
+`<p>/<stem>.ready` = the version verified loaded, from the final record (kvcd.daemon.report).
 """
 
 from __future__ import annotations
@@ -14,22 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from kvcd.config import rules
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import plan as planner
 from kvcd.core import upgrade as table
-from kvcd.core.state import DONE
 from kvcd.daemon import store
 from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.report import NodeLink
 from kvcd.node.backend import NodeView
 from kvcd.node.keys import Keys
-
-if TYPE_CHECKING:
-    from kvcd.daemon.record import Record
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +116,3 @@ class OrderedUpgrade(Extension):
         if d.verb != table.LOAD:
             log.info("ordered upgrade: %s", d.reason, extra={**ctx.fields, "KVCD_LABEL": key})
         return Verdict(_VERBS[d.verb], d.state, d.code, d.detail, d.version)
-
-    def after(self, ctx: Context, record: Record) -> Verdict | None:
-        keys = self.link.keys(ctx)
-        # Done + loaded: verified loaded now (or kept loaded by an UpgradePending hold, whose
-        # record keeps the version that is loaded).
-        loaded = record.state == DONE and record.goal == "loaded"
-        self.link.extra[keys.ready] = record.version if loaded else None
-        return None
-
-    def at_exit(self, ctx: Context, record: Record | None) -> None:
-        """`.ready` follows a stop too (removed once the modules are unloaded); the Reporter,
-        whose last word comes after this one, publishes it."""
-        if record is not None:
-            self.after(ctx, record)

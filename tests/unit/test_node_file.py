@@ -247,6 +247,28 @@ def test_node_patch(rec: Record, expect: dict[str, str | None]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("rec", "ordered", "ready"),
+    [
+        (Record("nic", "Done", version="1.0", goal="loaded"), True, "1.0"),
+        # an UpgradePending hold is Done and keeps the version that is loaded
+        (Record("nic", "Done", "UpgradePending", "x", version="1.0"), True, "1.0"),
+        (Record("nic", "Done", version="1.0", goal="unloaded"), True, None),
+        # amended after the load (links missing, a library that does not import): not ready
+        (Record("nic", "Degraded", "LinksMissing", "x", version="1.0"), True, None),
+        (Record("nic", "Working", detail="waiting for links: x", version="1.0"), True, None),
+        (Record("nic", "Degraded", "HostError", "x", version="1.0"), True, None),
+        (Record("nic", "Done", version="", goal="loaded"), True, None),
+        # no ordered upgrade (or no longer): no `.ready`
+        (Record("nic", "Done", version="1.0", goal="loaded"), False, None),
+    ],
+)
+def test_ready_is_the_final_record_verified_loaded(
+    rec: Record, ordered: bool, ready: str | None
+) -> None:
+    assert node_patch(Keys("kvcd.io", "nic"), rec, ordered)["kvcd.io/nic.ready"] == ready
+
+
+@pytest.mark.parametrize(
     ("rec", "reason"),
     [
         (Record("a", "Done"), "ModulesLoaded"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvcd.core.attempts import RETRY
 from kvcd.core.state import StepFailed
 from kvcd.daemon import extensions, store
 from kvcd.daemon.drain import Drain
-from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event
+from kvcd.daemon.events import HOLD, LOAD, UNLOAD, Context, Event, Extension, Verdict
 from kvcd.daemon.instance import Instance
 from kvcd.daemon.record import Record
 from kvcd.daemon.report import NodeLink, Reporter
@@ -177,16 +178,6 @@ def test_unreadable_node_holds_without_unloading(host: HostRoot) -> None:
         assert "set the labels again" in v.reason
     finally:
         ext.stop()
-
-
-def test_after_queues_ready_for_the_reporter(host: HostRoot) -> None:
-    link = NodeLink(load_settings(host))
-    ext = OrderedUpgrade(link)
-    ctx = ctx_for(host)
-    ext.after(ctx, Record("e2e", "Done", version="1.0", goal="loaded"))
-    assert link.extra == {"kvcd.io/e2e.ready": "1.0"}
-    ext.after(ctx, Record("e2e", "Done", version="1.0", goal="unloaded"))
-    assert link.extra == {"kvcd.io/e2e.ready": None}
 
 
 def test_an_unreachable_node_is_shown_in_status_until_it_is_written_again(
@@ -450,6 +441,80 @@ def test_an_unreachable_node_is_not_waited_for_at_exit(
     assert tries == []
     [said] = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
     assert "connection refused" in said and "Degraded: ModuleInUse: kvcd_base is held" in said
+
+
+def test_a_config_kvcd_cannot_use_is_said_on_the_node_and_in_the_textfile(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload (or any later cycle) that finds the config unusable changes nothing on the
+    host and records Degraded (ConfigInvalid); the node and the textfile say so too, not the
+    Done and `.ready` of the last good config."""
+    from kvcd.daemon.metrics import MetricsFile
+    from tests.promtext import samples
+
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+
+    def build(cfg: Any, settings: Any) -> list[Any]:
+        link = NodeLink(settings)
+        return [Drain(link), OrderedUpgrade(link), MetricsFile(), Reporter(link)]
+
+    monkeypatch.setattr(extensions, "build", build)
+    label(host, "1.0")
+    prom = host("/run/kvcd/metrics/kvcd-e2e.prom")
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and rec.state == "Done"
+        assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
+        fakehost.write_config(host, "e2e", "no_such_key = 1\n" + CONFIG.format(v="1.0"))
+        assert svc.reconcile([Event("signal", "reload", kind=RETRY)]) is None
+        assert loaded(host) == MODS  # nothing on the host changed
+        ann = FileBackend(host, "n1").read().annotations
+        assert ann["kvcd.io/e2e.state"] == "Degraded", ann
+        assert ann["kvcd.io/e2e.reason"].startswith("ConfigInvalid: "), ann
+        assert "kvcd.io/e2e.ready" not in ann, ann
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            got = samples(prom.read_text()) if prom.exists() else {}
+            if got.get(("kvcd_instance_state", (("instance", "e2e"), ("state", "Degraded")))):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail(f"the textfile never said Degraded: {prom.read_text()}")
+    finally:
+        svc.stop_extensions()
+
+
+class LinksNeverUp(Extension):
+    """An after-hook that amends a verified load (as the links' readiness does at its
+    deadline): the outcome the node hears is the amended one."""
+
+    name = "links"
+
+    def after(self, ctx: Context, record: Record) -> Verdict | None:
+        return Verdict(HOLD, state.DEGRADED, state.LINKS_MISSING, "after 60s: dummy up")
+
+
+def test_ready_follows_the_amended_outcome_not_the_load(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+
+    def build(cfg: Any, settings: Any) -> list[Any]:
+        link = NodeLink(settings)
+        return [Drain(link), OrderedUpgrade(link), LinksNeverUp(), Reporter(link)]
+
+    monkeypatch.setattr(extensions, "build", build)
+    label(host, "1.0")
+    svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    try:
+        rec = svc.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and rec.state == state.DEGRADED and loaded(host) == MODS
+    finally:
+        svc.stop_extensions()
+    ann = FileBackend(host, "n1").read().annotations
+    assert ann["kvcd.io/e2e.state"] == "Degraded", ann
+    assert "kvcd.io/e2e.ready" not in ann, ann  # the modules are loaded, the instance not ready
 
 
 def to_step_2(host: HostRoot) -> Service:

@@ -10,8 +10,10 @@
      module stays loaded. The test modules register no device node, so the holder here is a
      module loaded by hand (kvcd_user holding kvcd_base); a process holding a device node is
      covered on the host (tests/unit/test_node_procs.py, test_drain.py).
-(n2b) The same held module, with the label back: `systemctl stop` is refused (if-idle), the unit
-     fails, and the node says Degraded / ModuleInUse with no `.ready` (the daemon's last word).
+(n2b) The same held module, with the label back: a reload of a config kvcd cannot use changes
+     nothing and the node says Degraded / ConfigInvalid (no `.ready`) until it is fixed; then
+     `systemctl stop` is refused (if-idle), the unit fails, and the node says Degraded /
+     ModuleInUse with no `.ready` (the daemon's last word).
 (n3) drain = "cluster": the same blocked unload becomes a node drain request (`kvcd.io/drain =
      Drain_Required`); `kvcd annotate kvcd.io/drain-current=DrainComplete` plays the drain
      controller after the holder is gone; the change is applied and the request goes back to Idle.
@@ -204,6 +206,16 @@ def test_n2b_a_refused_stop_is_said_on_the_node() -> None:
     # Still held by kvcd_user (n2). The label back at 2.0: Done, and `.ready` says 2.0.
     sh(["kvcd", "label", f"{LABEL}=2.0"])
     wait_for(lambda: ann("ready") == "2.0" and ann("state") == "Done", 120, "ready = 2.0, Done")
+    # A config kvcd cannot use, reloaded: nothing on the host changes, and the node says so.
+    good = CONF.read_text()
+    CONF.write_text("no_such_key = 1\n" + good)
+    sh(["systemctl", "reload", UNIT], check=False, timeout=BUILD_TIMEOUT)
+    wait_for(lambda: ann("state") == "Degraded", 60, "node state Degraded (ConfigInvalid)")
+    assert (ann("reason") or "").startswith("ConfigInvalid: "), ann("reason")
+    assert ann("ready") is None and "kvcd_base" in loaded(), annotations()
+    CONF.write_text(good)
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    wait_for(lambda: ann("ready") == "2.0" and ann("state") == "Done", 120, "ready = 2.0 again")
     # The stop is refused (if-idle, in use): the unit fails, the module stays, and the node is
     # told as the daemon exits, not left at the Done of the last cycle.
     sh(["systemctl", "stop", UNIT], check=False, timeout=600)
