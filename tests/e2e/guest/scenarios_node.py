@@ -226,10 +226,12 @@ def test_n2b_a_refused_stop_is_said_on_the_node() -> None:
         "reason"
     )
     assert ann("ready") is None, annotations()  # KMM's readiness: not while kvcd is gone
-    # Back to where n2 left it, for n3: running, the label removed, the unload refused.
+    # Back to where n2 left it, for n3: running, the label removed, the unload refused (a start
+    # with the label removed would fail for good before READY=1: the same refusal).
     sh(["systemctl", "reset-failed", UNIT])
-    sh(["kvcd", "label", f"{LABEL}-"])
     sh(["systemctl", "start", UNIT], timeout=BUILD_TIMEOUT)
+    settle("Done")
+    sh(["kvcd", "label", f"{LABEL}-"])
     st = settle("Degraded")
     assert st["reason"].startswith("ModuleInUse: kvcd_base is held by kvcd_user"), st
 
