@@ -122,7 +122,7 @@ class Extension:
     late = False
     """Its after-hook only reports or records (the node, the drift baseline, the next kernel):
     the loop runs it after READY=1, so a start or a reload is not held back by it. Hooks that
-    decide the outcome READY=1 announces (links, drain, ordered upgrade) are not late."""
+    decide the outcome READY=1 announces (links, drain, the library proof) are not late."""
 
     deferred = False
     """It has no say in a cycle before its late hooks (no verdict, no early after-hook): the

@@ -6,8 +6,9 @@ cache hits; kvcd/core/metrics.py) and its late hook `MetricsFile` keeps them in
 `kvcd metrics` (`render`): to stdout, or with `--write` as `<metrics_dir>/kvcd-<name>.prom` for
 node_exporter's textfile collector (atomically: a temporary file renamed). The daemon never
 imports prometheus_client (its exposition module brings http.server, urllib and email: 6 MiB
-resident); after a cycle that changed what the file says it runs `kvcd metrics NAME --write` in
-a child, from a thread, as the library proof does.
+resident); after a cycle that changed what the file says a child writes it (`child_main`: what
+`kvcd metrics NAME --write` writes, at the daemon's own `metrics_dir`), from a thread, as the
+library proof does.
 
 Metrics, every one labelled `instance`:
 - kvcd_instance_state{state}: 1 for the recorded state (Done, Working, Degraded, Unknown), 0 for
@@ -29,6 +30,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kvcd.config.model import Settings
@@ -109,8 +111,8 @@ try:
 except (AttributeError, OSError):
     pass
 sys.path[:] = json.loads(sys.argv[1])
-from kvcd.cli import main
-sys.exit(main(sys.argv[2:]))
+from kvcd.daemon.metrics import child_main
+sys.exit(child_main(sys.argv[2:]))
 """
 
 
@@ -162,7 +164,7 @@ class MetricsFile(Extension):
             return
         problems: list[str] = []
         try:
-            write_textfile(ctx.root, ctx.settings, ctx.name, problems)
+            write_textfile(ctx.root, textfile(ctx.settings, ctx.name), ctx.name, problems)
         except OSError as exc:
             problems.append(files.os_error(exc))
         for problem in problems:
@@ -212,7 +214,8 @@ class MetricsFile(Extension):
                     self._running = False
                     return
                 self._again = False
-            problem = write_in_child(ctx.root, ctx.name, self._cut)
+            path = textfile(ctx.settings, ctx.name)
+            problem = write_in_child(ctx.root, ctx.name, path, self._cut)
             if problem and self._cut.is_set():  # killed: what it was writing is still owed
                 with self._lock:
                     self._again, self._running = True, False
@@ -221,18 +224,32 @@ class MetricsFile(Extension):
                 log.warning("metrics textfile: %s", problem, extra=ctx.fields)
 
 
-def write_in_child(root: HostRoot, name: str, cancel: threading.Event) -> str | None:
-    """`kvcd metrics NAME --write` in a child of this interpreter; why it failed, or None.
-    Setting `cancel` kills it."""
+def write_in_child(root: HostRoot, name: str, path: str, cancel: threading.Event) -> str | None:
+    """`name`'s textfile at `path` (where the daemon's settings put it: a kvcd.toml edited
+    since, even one kvcd cannot read, does not move it) by a child of this interpreter
+    (`child_main`); why it failed, or None. Setting `cancel` kills it."""
     from kvcd.host import run
 
-    argv = [sys.executable, "-c", _RENDER, json.dumps(sys.path),
-            "--root", str(root.root), "metrics", name, "--write"]  # fmt: skip
+    argv = [sys.executable, "-c", _RENDER, json.dumps(sys.path), str(root.root), name, path]
     try:
         run.run(argv, timeout=CHILD_TIMEOUT, cancel=cancel)
     except run.CommandError as exc:
         return str(exc)
     return None
+
+
+def child_main(argv: list[str]) -> int:
+    """The child of `write_in_child`: ROOT NAME PATH. Exit 1, saying why on stderr, when the
+    file says Unknown for the instance or could not be written."""
+    root, name, path = HostRoot(Path(argv[0])), argv[1], argv[2]
+    problems: list[str] = []
+    try:
+        write_textfile(root, path, name, problems)
+    except OSError as exc:
+        problems.append(files.os_error(exc))
+    for problem in problems:
+        print(f"kvcd: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 # --- `kvcd metrics`: the Prometheus text ---------------------------------------------------
@@ -341,9 +358,10 @@ def textfile(settings: Settings, name: str) -> str:
     return f"{settings.metrics_dir}/kvcd-{name}.prom"
 
 
-def write_textfile(root: HostRoot, settings: Settings, name: str, problems: list[str]) -> None:
-    """`name`'s textfile, replaced whole (a temporary file renamed); OSError when it cannot be."""
-    files.atomic_write(root(textfile(settings, name)), render(root, [name], problems))
+def write_textfile(root: HostRoot, path: str, name: str, problems: list[str]) -> None:
+    """`name`'s textfile at `path` (`textfile()`), replaced whole (a temporary file renamed);
+    OSError when it cannot be."""
+    files.atomic_write(root(path), render(root, [name], problems))
 
 
 def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
@@ -360,7 +378,7 @@ def metrics_command(root: HostRoot, only: str | None, write: bool) -> int:
             print('kvcd: metrics_dir = "" in kvcd.toml: no textfile to write', file=sys.stderr)
             return 2
         for name in names:
-            write_textfile(root, settings, name, problems)
+            write_textfile(root, textfile(settings, name), name, problems)
     for problem in problems:
         print(f"kvcd: {problem} (its instance is Unknown in the metrics)", file=sys.stderr)
     return 1 if problems else 0

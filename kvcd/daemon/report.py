@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 RETRY_FIRST = 2.0
 RETRY_CAP = 60.0
 UNTIL_POSTED = "; further failures at debug until one is posted"
+EXIT_TRY = 10.0  # seconds per request of the report as the daemon exits (one try each)
 
 
 class NodeLink:
@@ -183,32 +184,38 @@ class Reporter(Extension):
 
     def at_exit(self, ctx: Context, record: Record | None) -> None:
         """The node says what the daemon leaves: a stop's unload, or the stop refused
-        (ModuleInUse), reaches no after-hook. One try, no retry after the daemon: a node that
-        could not be reached at the last report is not waited for (the journal says what it
-        keeps)."""
+        (ModuleInUse), reaches no after-hook. One short try (EXIT_TRY per request), and none
+        when the node could not be reached at the last report: the journal and `kvcd status`
+        say what it was not told, and that nothing retries it."""
         self._cancel()
-        if record is None or self.link.writer is None:
+        backend = self.link.backend
+        if record is None or self.link.writer is None or backend is None:
             return
-        if self._since is not None:
-            log.warning(
-                "node unreachable: it keeps the state reported before (%s); this one is "
-                "not published: %s",
-                self.link.writer.failing or "unavailable",
-                record.state if not record.reason else f"{record.state}: {record.reason}",
-                extra=ctx.fields,
-            )
+        if self._since is None:
+            backend.hurry(EXIT_TRY)
+            self.after(ctx, record)
+            self._cancel()
+        if self._since is None:
             return
-        self.after(ctx, record)
-        self._cancel()
+        failing = self.link.writer.failing or "unavailable"
+        log.warning(
+            "node unreachable (%s): it keeps the state reported before; not published as "
+            "kvcd exits: %s",
+            failing,
+            record.state if not record.reason else f"{record.state}: {record.reason}",
+            extra=ctx.fields,
+        )
+        self._unreachable(ctx, failing, retrying=False)
 
     def _cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _unreachable(self, ctx: Context, why: str | None) -> None:
+    def _unreachable(self, ctx: Context, why: str | None, retrying: bool = True) -> None:
         """The runtime note `kvcd status` shows while the node cannot be written (the record
-        it could not publish stays the truth; the journal said so once)."""
+        it could not publish stays the truth; the journal said so once); `retrying` False: the
+        daemon exits, and the note stays until the next start."""
         path = ctx.root.node_note(ctx.name)
         try:
             if why is None:
@@ -219,7 +226,10 @@ class Reporter(Extension):
                 return
             if self._since is None:
                 self._since = time.time()
-            files.write_json(path, {"since": self._since, "failing": why})
+            note: dict[str, object] = {"since": self._since, "failing": why}
+            if not retrying:
+                note["retrying"] = False
+            files.write_json(path, note)
         except OSError as exc:
             log.warning("cannot write %s: %s", path, files.os_error(exc), extra=ctx.fields)
 

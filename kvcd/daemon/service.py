@@ -234,6 +234,8 @@ class Service:
                     self._timers[id(ext)] = now + every
 
     def stop_extensions(self, exiting: bool = False) -> None:
+        if exiting and self._deferred:  # stopped before a cycle settled: their last word too
+            self._start(self._deferred)
         extensions.stop(self.exts, self.fields, self.ctx if exiting else None)
         self.exts.clear()
         self._deferred.clear()

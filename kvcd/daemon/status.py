@@ -330,7 +330,8 @@ def _runtime_notes(
             if isinstance(since, (int, float))
             else ""
         )
-        problems.append(f"node not updated{when}: {node['failing']}; retrying")
+        then = "retrying" if node.get("retrying", True) else "not retried: kvcd run has exited"
+        problems.append(f"node not updated{when}: {node['failing']}; {then}")
         entry["node_unreachable"] = node
     # The links the instance provides (expect_links; kvcd/daemon/links.py).
     links = _runtime_note(root.links_note(name), problems, may_exist)

@@ -78,6 +78,10 @@ class Backend(ABC):
     def stop(self) -> None:  # noqa: B027
         """Stop the watch."""
 
+    def hurry(self, timeout: float) -> None:  # noqa: B027
+        """From now on, one try per request, each at most `timeout` seconds: the daemon exits,
+        and must not wait out retries (a local file has none)."""
+
     def event(self, reason: str, message: str, *, warning: bool = False) -> None:  # noqa: B027
         """Record an event about the node (Kubernetes Events); best effort."""
 

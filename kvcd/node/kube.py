@@ -98,6 +98,10 @@ class KubeBackend(Backend):
         self._events = nodeevents.Correlator(name)
         self._dropping = False
 
+    def hurry(self, timeout: float) -> None:
+        self.attempts = 1
+        self.request_timeout = min(self.request_timeout, timeout)
+
     # --- client ----------------------------------------------------------------------------
     def api(self) -> Any:
         if self._api is not None:

@@ -408,6 +408,18 @@ def test_gives_up_as_unavailable_and_never_hides_it(api: FakeAPI, backend: Any) 
     assert len(sleeps) == be.attempts - 1
 
 
+def test_a_hurried_backend_tries_once_with_the_shorter_timeout(api: FakeAPI, backend: Any) -> None:
+    """As the daemon exits (Reporter.at_exit): one try per request, not the retries."""
+    be, sleeps = backend
+    be.hurry(10.0)
+    assert (be.attempts, be.request_timeout) == (1, 10.0)
+    api.faults["GET node"] = [500, 500]
+    with pytest.raises(Unavailable, match="HTTP 500"):
+        be.read()
+    assert sleeps == []
+    assert len([r for r in api.requests if r[0] == "GET"]) == 1
+
+
 def test_forbidden_is_not_retried(api: FakeAPI, backend: Any) -> None:
     be, sleeps = backend
     api.faults["GET node"] = [403]

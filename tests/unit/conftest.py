@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.config.model import ConfigError
 from kvcd.daemon import metrics
 from kvcd.host import pylibs
 from kvcd.host.paths import HostRoot
@@ -18,16 +17,12 @@ def _libraries_proven_here(monkeypatch: pytest.MonkeyPatch) -> None:
     not start: here the same imports in this process (tests/integration/test_daemon_imports.py
     runs the child)."""
     monkeypatch.setattr(pylibs, "require_all_in_child", lambda timeout=0.0: pylibs.require_all())
-    # Likewise the metrics textfile, written by `kvcd metrics NAME --write` in a child.
+    # Likewise the metrics textfile, written by metrics.child_main in a child.
     monkeypatch.setattr(metrics, "write_in_child", _metrics_in_process)
 
 
-def _metrics_in_process(root: HostRoot, name: str, _cancel: object) -> str | None:
-    try:
-        metrics.metrics_command(root, name, write=True)
-    except (OSError, ConfigError) as exc:
-        return str(exc)
-    return None
+def _metrics_in_process(root: HostRoot, name: str, path: str, _cancel: object) -> str | None:
+    return None if metrics.child_main([str(root.root), name, path]) == 0 else "it failed"
 
 
 @pytest.fixture

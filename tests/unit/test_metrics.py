@@ -268,7 +268,7 @@ def test_changes_while_the_child_runs_make_one_more_run_not_one_each(
 
     release, calls = threading.Event(), []
 
-    def child(_root: HostRoot, name: str, _cancel: object) -> str | None:
+    def child(_root: HostRoot, name: str, _path: str, _cancel: object) -> str | None:
         calls.append(name)
         release.wait(10)
         return None
@@ -349,7 +349,7 @@ def _hook_with_a_child_running(
     calls: list[str] = []
     started = threading.Event()
 
-    def child(_root: HostRoot, name: str, cancel: threading.Event) -> str | None:
+    def child(_root: HostRoot, name: str, _path: str, cancel: threading.Event) -> str | None:
         calls.append(name)
         started.set()
         return "killed" if cancel.wait(10) else None

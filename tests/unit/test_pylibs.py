@@ -18,7 +18,9 @@ from kvcd.cli import main
 from kvcd.config.loader import parse_settings_toml
 from kvcd.config.model import ConfigError
 from kvcd.core import state
+from kvcd.core.attempts import RETRY
 from kvcd.daemon import status
+from kvcd.daemon.events import Event
 from kvcd.daemon.record import Record
 from kvcd.daemon.service import Service
 from kvcd.host import pylibs
@@ -307,6 +309,13 @@ def test_a_required_library_that_is_installed_but_broken_degrades_the_running_in
         assert rec.reason.startswith("HostError: kvcd needs the Python package 'podman'"), rec
         assert rec.reason.endswith("No module named 'requests'"), rec
     assert sorted(p.name for p in root.sys_module.iterdir()) == ["kvcd_base", "kvcd_user"]
+    # A reload to a changed config builds a new set of extensions: the answer it gets says the
+    # failure the last proof found, not Done until the new proof answers.
+    fakehost.write_config(root, "e2e", config.replace("[build]", "keep_images = 2\n[build]"))
+    rec = svc.reconcile([Event("signal", "reload", kind=RETRY)])
+    assert proof not in svc.exts  # rebuilt
+    assert rec is not None and rec.state == state.DEGRADED, rec
+    svc.stop_extensions()
 
 
 def test_a_library_check_without_an_answer_is_asked_again_and_degrades_nothing(
@@ -429,18 +438,41 @@ def test_a_changed_installation_is_proved_again(
     assert children.calls == 3
 
 
-def test_a_failed_proof_is_not_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each instance proves it again, so each says it (Degraded with the import error)."""
+def test_a_failed_proof_is_said_from_the_first_cycle_and_proved_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure is remembered with its import error: the next set of extensions (a reload's,
+    another instance's start) says it from its first cycle, so a reload's answer never says
+    Done meanwhile; each still proves again, and a fix clears it, with an event for the loop."""
+    from kvcd.daemon import libraries
+    from kvcd.daemon.events import Mailbox
+
     root = HostRoot(tmp_path)
     why = "kvcd needs the Python package 'pyudev' (RPM python3-pyudev) for udev: gone"
     children = Children(monkeypatch, missing=why)
-    assert [_prove(root, name).problem for name in ("a", "b")] == [why, why]
-    assert children.calls == 2
-    assert not root.libraries_proof.exists()
-    children.missing = ""  # fixed: the next start proves it, and that is remembered
-    assert _prove(root, "a").problem is None
+    assert _prove(root, "a").problem == why
+    assert json.loads(root.libraries_proof.read_text())["problem"] == why
+
+    def started(name: str) -> tuple[libraries.LibraryProof, Any, Mailbox]:
+        mail = Mailbox()
+        proof = libraries.LibraryProof()
+        ctx = _proof_context(root, name, mail.post)
+        proof.start(ctx)
+        return proof, ctx, mail
+
+    again, ctx, mail = started("b")
+    assert again.problem == why  # before its own proof answers
+    again._prove(ctx)
+    assert (again.problem, children.calls, mail.drain()) == (why, 2, [])  # the same: no event
+    children.missing = ""  # fixed without a change the digest sees
+    fixed, ctx, mail = started("a")
+    assert fixed.problem == why
+    fixed._prove(ctx)
+    assert (fixed.problem, mail.drain()) == (None, [Event("libraries", "fixed")])
+    assert "problem" not in json.loads(root.libraries_proof.read_text())
+    assert started("b")[0].problem is None
     assert _prove(root, "b").problem is None
-    assert children.calls == 3
+    assert children.calls == 3  # the last start found it proved
 
 
 @pytest.mark.parametrize(

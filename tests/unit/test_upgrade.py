@@ -371,10 +371,12 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
 
 
 @pytest.mark.parametrize(
-    ("refcnt", "code", "node_state", "reason"),
+    ("refcnt", "code", "node_state", "reason", "reported"),
     [
-        ("0", 0, "Done", None),  # unloaded: `.ready` goes, the state stays Done
-        ("1", 1, "Degraded", "ModuleInUse: kvcd_base"),  # refused: the node says so
+        ("0", 0, "Done", None, True),  # unloaded: `.ready` goes, the state stays Done
+        ("1", 1, "Degraded", "ModuleInUse: kvcd_base", True),  # refused: the node says so
+        # stopped before the late hooks started the (deferred) Reporter: it starts to say it
+        ("0", 0, "Done", None, False),
     ],
 )
 def test_the_node_says_what_a_stop_left(
@@ -384,18 +386,21 @@ def test_the_node_says_what_a_stop_left(
     code: int,
     node_state: str,
     reason: str | None,
+    reported: bool,
 ) -> None:
-    """A stop's unload (or its refusal) reaches no after-hook: the last words of the ordered
-    upgrade and the Reporter publish it, through the node link that is still open."""
+    """A stop's unload (or its refusal) reaches no after-hook: the Reporter's last word
+    publishes it, through the node link that is still open."""
     monkeypatch.setenv("KVCD_NODE_NAME", "n1")
     monkeypatch.setattr(extensions, "build", node_extensions)
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    svc.defer_late = True  # as `kvcd run` does: the late hooks wait for run_late
     label(host, "1.0")
     try:
         rec = svc.reconcile([Event("start", kind=RETRY)])
         assert rec is not None and (rec.state, rec.goal) == ("Done", "loaded")
-        svc.run_late(rec)  # the Reporter is deferred: started and run by the late hooks
-        assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
+        if reported:
+            svc.run_late(rec)  # the Reporter is deferred: started and run by the late hooks
+            assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
         (host.sys_module / "kvcd_base" / "refcnt").write_text(f"{refcnt}\n")
         assert svc.stop() == code
     finally:
@@ -441,14 +446,21 @@ def test_an_unreachable_node_is_not_waited_for_at_exit(
     assert tries == []
     [said] = [r.getMessage() for r in caplog.records if "not published" in r.getMessage()]
     assert "connection refused" in said and "Degraded: ModuleInUse: kvcd_base is held" in said
+    from kvcd.daemon import status
+
+    [entry] = status.collect(host, "e2e")
+    [warning] = entry["warnings"]
+    assert warning.endswith(": connection refused; not retried: kvcd run has exited"), warning
 
 
+@pytest.mark.parametrize("bad", ["instance", "kvcd.toml"])
 def test_a_config_kvcd_cannot_use_is_said_on_the_node_and_in_the_textfile(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, bad: str
 ) -> None:
     """A reload (or any later cycle) that finds the config unusable changes nothing on the
     host and records Degraded (ConfigInvalid); the node and the textfile say so too, not the
-    Done and `.ready` of the last good config."""
+    Done and `.ready` of the last good config, where that config put them (kvcd.toml itself
+    may be the file it cannot use)."""
     from kvcd.daemon.metrics import MetricsFile
     from tests.promtext import samples
 
@@ -466,7 +478,10 @@ def test_a_config_kvcd_cannot_use_is_said_on_the_node_and_in_the_textfile(
         rec = svc.reconcile([Event("start", kind=RETRY)])
         assert rec is not None and rec.state == "Done"
         assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
-        fakehost.write_config(host, "e2e", "no_such_key = 1\n" + CONFIG.format(v="1.0"))
+        if bad == "instance":
+            fakehost.write_config(host, "e2e", "no_such_key = 1\n" + CONFIG.format(v="1.0"))
+        else:
+            fakehost.write(host.main_config, "no_such_key = 1\n")
         assert svc.reconcile([Event("signal", "reload", kind=RETRY)]) is None
         assert loaded(host) == MODS  # nothing on the host changed
         ann = FileBackend(host, "n1").read().annotations
