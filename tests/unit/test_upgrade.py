@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +371,18 @@ def test_run_loop_label_drives_upgrade_v1_to_v2(
         svc.stop_extensions()
 
 
+def with_node_extensions(monkeypatch: pytest.MonkeyPatch, *more: Callable[[], Extension]) -> None:
+    """extensions.build makes node_extensions' set, with `more` (fresh per build) before the
+    Reporter; the file backend's node is n1."""
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+
+    def build(cfg: Any, settings: Any) -> list[Any]:
+        *others, reporter = node_extensions(cfg, settings)
+        return [*others, *(make() for make in more), reporter]
+
+    monkeypatch.setattr(extensions, "build", build)
+
+
 @pytest.mark.parametrize(
     ("refcnt", "code", "node_state", "reason", "reported"),
     [
@@ -390,8 +403,7 @@ def test_the_node_says_what_a_stop_left(
 ) -> None:
     """A stop's unload (or its refusal) reaches no after-hook: the Reporter's last word
     publishes it, through the node link that is still open."""
-    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
-    monkeypatch.setattr(extensions, "build", node_extensions)
+    with_node_extensions(monkeypatch)
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
     svc.defer_late = True  # as `kvcd run` does: the late hooks wait for run_late
     label(host, "1.0")
@@ -464,13 +476,7 @@ def test_a_config_kvcd_cannot_use_is_said_on_the_node_and_in_the_textfile(
     from kvcd.daemon.metrics import MetricsFile
     from tests.promtext import samples
 
-    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
-
-    def build(cfg: Any, settings: Any) -> list[Any]:
-        link = NodeLink(settings)
-        return [Drain(link), OrderedUpgrade(link), MetricsFile(), Reporter(link)]
-
-    monkeypatch.setattr(extensions, "build", build)
+    with_node_extensions(monkeypatch, MetricsFile)
     label(host, "1.0")
     prom = host("/run/kvcd/metrics/kvcd-e2e.prom")
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
@@ -513,13 +519,7 @@ class LinksNeverUp(Extension):
 def test_ready_follows_the_amended_outcome_not_the_load(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
-
-    def build(cfg: Any, settings: Any) -> list[Any]:
-        link = NodeLink(settings)
-        return [Drain(link), OrderedUpgrade(link), LinksNeverUp(), Reporter(link)]
-
-    monkeypatch.setattr(extensions, "build", build)
+    with_node_extensions(monkeypatch, LinksNeverUp)
     label(host, "1.0")
     svc = Service(host, "e2e", K, fakehost.RecordingNotifier())
     try:
