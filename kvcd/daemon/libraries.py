@@ -50,13 +50,7 @@ class LibraryProof(Extension):
     def __init__(self) -> None:
         self.proof: threading.Thread | None = None
         self.problem: str | None = None  # the last answer (the proof's thread sets it)
-
-    def start(self, ctx: Context) -> None:
-        """A failure this installation showed before (this process, before a reload rebuilt the
-        extensions, or another start in this boot) is said from the first cycle: a reload's
-        answer and READY=1 never say Done in between. The proof still runs."""
-        memo = _memo(ctx, pylibs.installation())
-        self.problem = memo.get("problem") if memo is not None else None
+        self._looked = False  # at the memo, for a failure found before
 
     def wants_idle(self) -> bool:
         return self.proof is None
@@ -69,6 +63,14 @@ class LibraryProof(Extension):
         self.proof.start()
 
     def after(self, ctx: Context, record: Record) -> Verdict | None:
+        if not self._looked:
+            # A failure this installation showed before (this process, before a reload rebuilt
+            # the extensions, or another start in this boot) is said from the first cycle: a
+            # reload's answer and READY=1 never say Done in between. Looked at here, after the
+            # load, not at start: the modules are live without it. The proof still runs.
+            self._looked = True
+            memo = _memo(ctx, pylibs.installation())
+            self.problem = memo.get("problem") if memo is not None else None
         problem = self.problem
         if problem is None:
             return None
