@@ -833,6 +833,24 @@ def test_stop_without_a_drain(
         assert rec is not None and rec.reason.startswith("ModuleInUse")
 
 
+@pytest.mark.parametrize("how", ["removed", "invalid"])
+def test_a_stop_with_a_config_kvcd_cannot_use_keeps_the_modules(
+    host: HostRoot, service: Any, how: str
+) -> None:
+    """README "Stopping": the unload reads the config again; one kvcd cannot use refuses the
+    stop (exit 1), the modules stay, and the record says ConfigInvalid."""
+    svc = stopping_service(host, service, state.IF_IDLE)
+    conf = host("/etc/kvcd/instances/e2e.toml")
+    if how == "removed":
+        conf.unlink()
+    else:
+        conf.write_text("no_such_key = 1\n" + conf.read_text())
+    assert svc.stop() == 1
+    assert loaded(host) == MODS
+    rec = Record.read(host, "e2e")
+    assert rec is not None and rec.reason.startswith("ConfigInvalid: "), rec
+
+
 def test_stop_with_drain_waits_for_drain_complete_then_unloads(
     host: HostRoot, service: Any
 ) -> None:
