@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import threading
+from typing import Any
 
 from kvcd.core import state
 from kvcd.daemon.events import HOLD, Context, Event, Extension, Verdict
@@ -88,7 +89,7 @@ class LibraryProof(Extension):
                 self._answer(ctx, self._prove_in_child(ctx))
                 return
             memo = _memo(ctx, installation)
-            if memo is not None and "problem" not in memo:
+            if memo is not None and memo.get("problem") is None:
                 self._answer(ctx, None)  # proved by a start before this one
                 return
             problem = self._prove_in_child(ctx)
@@ -122,7 +123,7 @@ class LibraryProof(Extension):
                 return str(exc)
 
 
-def _memo(ctx: Context, installation: str) -> dict[str, str] | None:
+def _memo(ctx: Context, installation: str) -> dict[str, Any] | None:
     """What a proof in this boot found for this installation (None: none): `problem` is the
     import error of a failed one. A memo that is damaged or refused says nothing (it is said,
     and replaced by the next proof)."""
@@ -143,7 +144,7 @@ def _memo(ctx: Context, installation: str) -> dict[str, str] | None:
         memo.get("pid"),
         extra=ctx.fields,
     )
-    return {"problem": problem} if problem is not None else {}
+    return memo
 
 
 def _remember(ctx: Context, installation: str, problem: str | None) -> None:

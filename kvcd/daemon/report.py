@@ -191,18 +191,20 @@ class Reporter(Extension):
         backend = self.link.backend
         if record is None or self.link.writer is None or backend is None:
             return
-        if self._since is None:
+        if self._since is None:  # reachable at the last report
             backend.hurry(EXIT_TRY)
             self.after(ctx, record)
             self._cancel()
-        if self._since is None:
-            return
+            if self._since is None:
+                return
+        from kvcd.daemon.record import status_text
+
         failing = self.link.writer.failing or "unavailable"
         log.warning(
             "node unreachable (%s): it keeps the state reported before; not published as "
             "kvcd exits: %s",
             failing,
-            record.state if not record.reason else f"{record.state}: {record.reason}",
+            status_text(ctx.root, ctx.name, record, None),
             extra=ctx.fields,
         )
         self._unreachable(ctx, failing, retrying=False)
