@@ -277,9 +277,17 @@ class Service:
         for ext in self.exts:
             if late is not None and ext.late != late:
                 continue
-            amended = ext.after(self.ctx, record)
-            if amended is not None and not record.says(amended.state, amended.code, amended.detail):
-                record = inst.note(amended.state, amended.code, amended.detail, pid=os.getpid())
+            try:
+                amended = ext.after(self.ctx, record)
+                if amended is not None and not record.says(
+                    amended.state, amended.code, amended.detail
+                ):
+                    record = inst.note(amended.state, amended.code, amended.detail, pid=os.getpid())
+            except OSError as exc:
+                if not late:  # an outcome hook: the cycle fails with HostError and is retried
+                    raise
+                # A late hook only reports or takes a baseline: the ones after it still run.
+                log.warning("%s: %s", ext.name, files.os_error(exc), extra=self.fields)
         return record
 
     def run_late(self, record: Record | None) -> Record | None:

@@ -948,3 +948,33 @@ def test_stopping_the_extensions_and_their_last_word(
             "exit Done": ["extension a: its last report failed"],
         }[fail]
     )
+
+
+def test_a_late_hook_the_host_refuses_does_not_silence_the_hooks_after_it(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One late after-hook's OSError (a baseline the host will not let kvcd read) is said with the
+    extension's name; the hooks after it (the node report) still see the cycle's record."""
+
+    class Refused(Scripted):
+        name, late = "drift", True
+
+        def after(self, ctx: Context, record: Record) -> Verdict | None:
+            raise PermissionError(errno.EACCES, "Permission denied", "/etc/kvcd/x")
+
+    class Node(Scripted):
+        name, late = "node", True
+
+    node = Node(on_verdict=lambda count, _e: sigterm() if count == 2 else None)
+    use(monkeypatch, Refused(), node)
+
+    def wake_once() -> None:
+        time.sleep(0.2)
+        assert node.ctx is not None
+        node.ctx.post(Event("poke"))
+
+    threading.Thread(target=wake_once, daemon=True).start()
+    with caplog.at_level(logging.WARNING):
+        assert Service(host, "e2e", K, fakehost.RecordingNotifier()).run() == 0
+    assert node.records and node.records[0][0] == state.DONE
+    assert "drift: /etc/kvcd/x: Permission denied" in caplog.text
