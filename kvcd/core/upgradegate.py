@@ -3,8 +3,9 @@
 Each instance publishes `<p>/<stem>.next-kernel` = "<kernel> ready" | "<kernel> preparing" |
 "<kernel> failed: <reason>" (kvcd/daemon/report.py). From all of them, node-wide:
 - label `<p>/upgradeable` = "false" while any instance failed to prepare for its next kernel,
-  else "true": what an orchestrator selects on before it reboots a node (SRO's Upgradeable=False
-  in cluster form);
+  or is still preparing for it, else "true": what an orchestrator selects on before it reboots
+  a node (SRO's Upgradeable=False in cluster form). A reboot mid-preparation would boot a kernel
+  the driver is not ready for, and a retry after a failure must not open the gate while it runs;
 - annotation `<p>/upgradeable-reason`: which instances, for which kernel, and why (absent when
   upgradeable).
 Computed from the node's own annotations, so every instance's daemon reaches the same answer,
@@ -22,22 +23,23 @@ SUFFIX = ".next-kernel"
 MAX_REASON = 1024
 
 
-def failed(annotations: Mapping[str, str], prefix: str) -> list[str]:
-    """'<stem>: <kernel> failed: <reason>' for each instance whose next kernel failed, sorted."""
+def not_ready(annotations: Mapping[str, str], prefix: str) -> list[str]:
+    """'<stem>: <kernel> failed: <reason>' or '<stem>: <kernel> preparing' for each instance
+    whose next kernel is not ready, sorted."""
     out = []
     head = prefix + "/"
     for key, value in annotations.items():
         if not (key.startswith(head) and key.endswith(SUFFIX)):
             continue
         kernel, _, rest = value.partition(" ")
-        if kernel and rest.startswith("failed"):
+        if kernel and (rest.startswith("failed") or rest == "preparing"):
             out.append(f"{key[len(head) : -len(SUFFIX)]}: {value}")
     return sorted(out)
 
 
 def node_keys(annotations: Mapping[str, str], prefix: str) -> tuple[str, str | None]:
     """(the label's value, the reason annotation's value; None removes it)."""
-    bad = failed(annotations, prefix)
+    bad = not_ready(annotations, prefix)
     if not bad:
         return "true", None
     reason = "; ".join(bad)

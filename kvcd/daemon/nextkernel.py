@@ -36,7 +36,6 @@ from kvcd.daemon.record import Record, writing
 from kvcd.host import bootloader, files, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.inhibit import InhibitError, Inhibitor
-from kvcd.host.interrupt import Interrupted
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -132,6 +131,7 @@ class NextKernel(Extension):
         self.watch_failed = False
         self.dirty = True  # look (idle work); start, reload and watch events set it again
         self.outcome: Outcome | None = None
+        self.settled: Outcome | None = None  # the last outcome before "preparing" was announced
         self.last_unknown = ""
 
     # -- watching ------------------------------------------------------------------------------
@@ -229,13 +229,16 @@ class NextKernel(Extension):
     def idle(self, ctx: Context) -> None:
         """Look for the next kernel and prepare for it: never inside a start, reload or other
         reconcile, where a build would hold back READY=1 or `kvcd reload`. A changed outcome
-        posts an event: its cycle (a SKIP) lets the node reporter publish it."""
+        posts an event: its cycle (a SKIP) lets the node reporter publish it. A preparation is
+        two pieces of idle work: "preparing" is announced (and so published) first, and the
+        build is the next one, after the announcement's cycle."""
         self.dirty = False
         record = Record.read(ctx.root, ctx.name)
         if record is None:  # not even started once: nothing to prepare for yet
             return
         before = (self.outcome, self.unheld)
         self.outcome = self.refresh(ctx, record)
+        self.dirty = self.outcome.state == PREPARING
         self.collect(ctx)
         self.hold_reboot(ctx, self.outcome)
         self.write(ctx, record, self.recorded(self.outcome))
@@ -245,11 +248,13 @@ class NextKernel(Extension):
     def recorded(self, outcome: Outcome) -> Outcome:
         """The outcome as the record (and so `kvcd status` and the node) carries it: a failure
         whose reboot inhibit_reboot could not hold says so."""
-        return not_held(outcome, self.unheld) if self.unheld else outcome
+        return (
+            not_held(outcome, self.unheld) if self.unheld and outcome.state == FAILED else outcome
+        )
 
     def hold_reboot(self, ctx: Context, outcome: Outcome) -> None:
         """inhibit_reboot: hold the reboot while the next kernel failed, let go otherwise."""
-        if self.inhibitor is None:
+        if self.inhibitor is None or outcome.state == PREPARING:  # held or not, as it was
             return
         fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name, "KVCD_NEXT_KERNEL": outcome.kernel}
         if outcome.state != FAILED:
@@ -284,6 +289,13 @@ class NextKernel(Extension):
             self.write(ctx, record, NONE)
         return None  # the next kernel never changes the running instance's state
 
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        """Stopped between the announcement and the end of the build (SIGTERM cuts into a
+        build: kvcd.host.interrupt): the record must not go on saying "preparing"."""
+        if record is not None and record.next_kernel_state == PREPARING:
+            why = "stopped before preparing finished; the next start prepares it again"
+            self.write(ctx, record, Outcome(record.next_kernel, FAILED, why))
+
     def refresh(self, ctx: Context, record: Record) -> Outcome:
         fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name}
         try:
@@ -300,8 +312,9 @@ class NextKernel(Extension):
             return NONE
         fields["KVCD_NEXT_KERNEL"] = nb.kernel
         previous = self.outcome
-        fresh = previous is None or previous.kernel != nb.kernel or previous.state != READY
-        if fresh:
+        if previous is not None and previous == Outcome(nb.kernel, PREPARING):
+            return self.prepare(ctx, record, nb, fields, self.settled, fresh=True)
+        if previous is None or previous.kernel != nb.kernel or previous.state != READY:
             log.info(
                 "next kernel %s (%s: %s); preparing %s",
                 nb.kernel,
@@ -310,7 +323,22 @@ class NextKernel(Extension):
                 ctx.name,
                 extra=fields,
             )
-            self.write(ctx, record, Outcome(nb.kernel, PREPARING))
+            self.settled = previous
+            return Outcome(nb.kernel, PREPARING)
+        return self.prepare(ctx, record, nb, fields, previous, fresh=False)
+
+    def prepare(
+        self,
+        ctx: Context,
+        record: Record,
+        nb: NextBoot,
+        fields: dict[str, str],
+        previous: Outcome | None,
+        *,
+        fresh: bool,
+    ) -> Outcome:
+        """Build (or check again) for `nb.kernel`; `previous`: the last outcome said."""
+        assert nb.kernel is not None
         # Here, not at import: most looks find no next kernel, and preparing brings the
         # executor, kABI and ELF code with it (#20: the daemon's steady RSS).
         from kvcd.daemon.ahead import prepare
@@ -329,10 +357,6 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
-        except Interrupted:  # the daemon stops: the record must not go on saying "preparing"
-            why = "stopped before preparing finished; the next start prepares it again"
-            self.write(ctx, record, Outcome(nb.kernel, FAILED, why))
-            raise
         if fresh and outcome.state == READY:
             metrics.observe(NEXT_KERNEL, time.monotonic() - t0)
         outcome = _mid_upgrade(ctx, record, outcome)

@@ -20,7 +20,7 @@ from kvcd.config.model import BuildSource, InstanceConfig, ModuleSpec, Settings
 from kvcd.core.attempts import RETRY
 from kvcd.daemon import ahead, driftstore, nextkernel, status, store, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Verdict
-from kvcd.daemon.nextkernel import FAILED, NONE, READY, NextKernel, Outcome
+from kvcd.daemon.nextkernel import FAILED, NONE, PREPARING, READY, NextKernel, Outcome
 from kvcd.daemon.record import Record
 from kvcd.host import files, journal, kmod, modfiles, modtree
 from kvcd.host.bootloader import NextBoot
@@ -286,7 +286,17 @@ def test_extension_prepares_on_start_and_on_watch_events(
     watches[0].on_change(host("/boot/loader/entries/x.conf"))
     assert posted[-1] == Event("next-kernel", str(host("/boot/loader/entries/x.conf")))
     assert cycle(posted[-1:]).verb == SKIP
-    assert builds(pod) == [B] and len(asked) == 2
+    # "preparing" is announced first, and the build waits for the announcement's cycle, whose
+    # record (the one the node reporter gets) says it: for minutes, the node knows.
+    assert builds(pod) == [] and len(asked) == 2 and ext.wants_idle()
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, PREPARING)
+    assert posted[-1] == Event("next-kernel", f"next kernel {B}")
+    assert ext.verdict(ctx, posted[-1:]) == Verdict(SKIP)
+    assert ext.after(ctx, rec) is None
+    assert (rec.next_kernel, rec.next_kernel_state) == (B, PREPARING)
+    ext.idle(ctx)
+    assert builds(pod) == [B] and len(asked) == 3 and not ext.wants_idle()
     saved = Record.read(host, NAME)
     assert saved is not None
     assert (saved.next_kernel, saved.next_kernel_state) == (B, READY)
@@ -295,7 +305,7 @@ def test_extension_prepares_on_start_and_on_watch_events(
     assert posted[-1] == Event("next-kernel", f"next kernel {B}")
     # The reported cycle: the record the node reporter gets carries the outcome.
     cycle(posted[-1:])
-    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY) and len(asked) == 2
+    assert (rec.next_kernel, rec.next_kernel_state) == (B, READY) and len(asked) == 3
     # `kvcd status` shows it.
     text = status.render(status.collect(host, NAME))
     assert f"  next kernel {B}: ready (built for {B}" in text
@@ -682,9 +692,9 @@ def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
 def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGTERM cuts into the next kernel's build (kvcd.host.interrupt): the daemon stops, and
-    the record says why the next kernel is not ready, not "preparing" for as long as the unit
-    is stopped."""
+    """SIGTERM cuts into the next kernel's build (kvcd.host.interrupt), or comes between the
+    announcement and the build: the daemon stops, and its last word (at_exit) has the record say
+    why the next kernel is not ready, not "preparing" for as long as the unit is stopped."""
     from kvcd.host.interrupt import Interrupted
 
     running_extraction(host)
@@ -700,8 +710,13 @@ def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
     ctx, _ = context(host, config(host))
     ext.start(ctx)
     record(host)
+    ext.idle(ctx)  # announced
     with pytest.raises(Interrupted):
         ext.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, PREPARING)
+    ext.at_exit(ctx, saved)
+    assert (saved.next_kernel, saved.next_kernel_state) == (B, FAILED)  # what the node gets
     saved = Record.read(host, NAME)
     assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, FAILED)
     assert saved.next_kernel_reason == (
@@ -727,7 +742,8 @@ def test_extension_cleans_up_after_a_kernel_is_removed(
     ctx, posted = context(host, config(host))
     ext.start(ctx)
     rec = record(host)
-    ext.idle(ctx)
+    ext.idle(ctx)  # "preparing" announced
+    ext.idle(ctx)  # built
     ext.after(ctx, rec)
     assert (rec.next_kernel, rec.next_kernel_state) == (B, READY)
     prepared = store.tree(host, NAME, "1.0", B)
@@ -879,11 +895,12 @@ def test_a_reboot_inhibit_reboot_cannot_hold_is_said_where_the_user_looks(
     )
     ctx, posted = context(host, config(host))
     rec = record(host)
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):
         for refused in refuses:
             inh.fail = refused
             ext.dirty = True
-            ext.idle(ctx)
+            while ext.wants_idle():  # "preparing" announced, then the build
+                ext.idle(ctx)
             ext.after(ctx, rec)  # the cycle its event causes: what the node reporter gets
     failed = (
         "BuildFailed: build failed at STEP 2/2: RUN make: exit status 2 "
@@ -898,10 +915,17 @@ def test_a_reboot_inhibit_reboot_cannot_hold_is_said_where_the_user_looks(
     assert line in status.render([entry]).splitlines()
     annotation = node_patch(Keys("kvcd.io", NAME), rec)[f"kvcd.io/{NAME}.next-kernel"]
     assert annotation == f"{B} failed: {saved.next_kernel_reason}"
-    said = [r.getMessage() for r in caplog.records if "reboot" in r.getMessage()]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "reboot" in r.getMessage() and r.levelno >= logging.ERROR
+    ]
     assert len(said) == errors and all(m.startswith("cannot hold the reboot") for m in said)
-    # A changed note is news for the node reporter as a changed outcome is.
-    assert len(posted) == 1 + (refuses == [True, False])
+    # Each look is news for the node reporter: "preparing" announced, then the outcome (with
+    # the note as it is now); the journal says the same failure once, not at every look.
+    assert len(posted) == 2 * len(refuses)
+    told = [r for r in caplog.records if r.getMessage().startswith(f"next kernel {B}: not ready")]
+    assert len(told) == 1
 
 
 def test_without_inhibit_reboot_no_inhibitor_exists() -> None:
@@ -966,6 +990,7 @@ def test_a_next_kernel_is_not_ready_while_an_ordered_upgrade_keeps_the_old_versi
     )
     ctx, _posted = context(host, cfg)
     rec = dataclasses.replace(record(host), state=state, version=loaded)
+    ext.outcome = ext.refresh(ctx, rec)  # "preparing" announced
     outcome = ext.refresh(ctx, rec)
     assert (outcome.state == READY) is ready, outcome
     if not ready:

@@ -28,9 +28,17 @@ GATE = [
         ("true", None),
     ),
     (
-        "still preparing is not a failure",
-        {f"{P}/nic.next-kernel": "6.2.0-1 preparing"},
-        ("true", None),
+        "still preparing: not yet",
+        {f"{P}/nic.next-kernel": "6.2.0-1 preparing", f"{P}/gpu.next-kernel": "6.2.0-1 ready"},
+        ("false", "nic: 6.2.0-1 preparing"),
+    ),
+    (
+        "one preparing, one failed: both",
+        {
+            f"{P}/nic.next-kernel": "6.2.0-1 preparing",
+            f"{P}/gpu.next-kernel": "6.2.0-1 failed: BuildFailed: make exited 2",
+        },
+        ("false", "gpu: 6.2.0-1 failed: BuildFailed: make exited 2; nic: 6.2.0-1 preparing"),
     ),
     (
         "one failed: not upgradeable, naming it",
@@ -60,7 +68,7 @@ GATE = [
 
 
 @pytest.mark.parametrize(("why", "annotations", "expected"), GATE, ids=[g[0] for g in GATE])
-def test_the_gate_is_false_while_any_instance_failed_its_next_kernel(
+def test_the_gate_is_false_while_any_instance_is_not_ready_for_its_next_kernel(
     why: str, annotations: dict[str, str], expected: tuple[str, str | None]
 ) -> None:
     assert node_keys(annotations, P) == expected

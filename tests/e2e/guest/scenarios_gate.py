@@ -10,7 +10,8 @@ the kABI shortcut (weak-updates) cannot hide the broken build.
 (o1) The kernel-install plugin, run by the real `kernel-install add <second kernel>` as dnf's
      kernel transaction runs it: it prints which instance is not ready and why, and exits 0.
 (o2) The second kernel becomes the boot loader's default (a BLS entry and grubenv, as a kernel
-     update leaves them): the daemon prepares for it, fails, and the node says so: label
+     update leaves them): the daemon prepares for it (the gate closed while it does), fails,
+     and the node says so: label
      kvcd.io/upgradeable=false, kvcd.io/upgradeable-reason naming e2e-gate, the kernel and
      the reason; with inhibit_reboot = true a logind block inhibitor by kvcd holds the reboot
      (`systemd-inhibit --list`; `systemctl --dry-run --check-inhibitors=yes reboot` refused).
@@ -152,7 +153,13 @@ def test_o1_kernel_install_says_which_driver_is_not_ready() -> None:
 
 def test_o2_a_next_kernel_without_its_driver_closes_the_gate_and_holds_the_reboot() -> None:
     set_grub_default(bls_entry(KVER2))
-    _, reason = wait_for(lambda: node()[0] == "false" and node(), BUILD_TIMEOUT, "the gate")
+    # The gate closes as the preparation is announced ("e2e-gate: K preparing"), and stays
+    # closed when the build fails.
+    _, reason = wait_for(
+        lambda: node()[0] == "false" and "failed" in (node()[1] or "") and node(),
+        BUILD_TIMEOUT,
+        "the gate",
+    )
     assert reason.startswith(f"{NAME}: {KVER2} failed: BuildFailed"), reason
     held = wait_for(inhibitors, 60, "kvcd's shutdown inhibitor")
     assert any("block" in line and "shutdown" in line for line in held), held
