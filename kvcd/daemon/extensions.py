@@ -16,6 +16,8 @@ from kvcd.host import files
 
 if TYPE_CHECKING:
     from kvcd.daemon.record import Record
+    from kvcd.daemon.report import NodeLink
+    from kvcd.host.paths import HostRoot
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     out.append(DriftMonitor(cfg, settings))
     # Node state (issue #6): one NodeLink (backend + writer + watch) shared by the three.
     from kvcd.daemon.drain import Drain, LeftOverClaim, mode_of
-    from kvcd.daemon.report import NodeLink, Reporter
+    from kvcd.daemon.report import NodeLink
 
     link = NodeLink(settings)
     # Drain holds a reconcile only while its own request waits for DrainComplete; it goes
@@ -74,13 +76,41 @@ def build(cfg: InstanceConfig, settings: Settings) -> list[Extension]:
     from kvcd.daemon.nextkernel import NextKernel
 
     out.append(NextKernel(settings))
-    # Metrics: the counts kept on disk, the textfile rewritten in a child (after READY=1).
-    from kvcd.daemon.metrics import MetricsFile
+    return out + reporters(link)
 
-    out.append(MetricsFile())
-    # The reporter's after-hook runs LAST: it publishes what the other after-hooks set.
-    reporter: list[Extension] = [Reporter(link)]
-    return out + reporter
+
+def reporters(link: NodeLink) -> list[Extension]:
+    """The extensions that only publish the record (`reports`), in their order: the metrics
+    (the counts kept on disk, the textfile rewritten in a child after READY=1), then the node
+    reporter, whose after-hook runs LAST: it publishes what the other after-hooks set."""
+    from kvcd.daemon.metrics import MetricsFile
+    from kvcd.daemon.report import Reporter
+
+    return [MetricsFile(), Reporter(link)]
+
+
+def last_words(root: HostRoot, name: str, kernel: str, fields: Mapping[str, str]) -> None:
+    """A first start that cannot use its config (it exits 2) never had an extension set: the
+    node and the metrics textfile would keep what the last daemon left (Done, `.ready`) beside
+    a record that says Degraded / ConfigInvalid. The reporters, on `kvcd.toml`'s settings, say
+    the record as their last word; with `kvcd.toml` itself unusable nobody can know where the
+    node is, and the journal and `kvcd status` alone say it."""
+    from kvcd.config.loader import load_settings
+    from kvcd.config.model import ConfigError
+    from kvcd.daemon.report import NodeLink
+    from kvcd.host import pylibs
+
+    try:
+        settings = load_settings(root)
+        pylibs.check_settings(root, settings)
+    except ConfigError:
+        return
+    # No usable instance config: what the reporters read of one (ordered_upgrade, for
+    # `.ready`, which a record that is not Done never has) is the default.
+    cfg = InstanceConfig(name=name, source=root.etc / "instances" / f"{name}.toml", version="",
+                         modules=())  # fmt: skip
+    ctx = Context(root, name, kernel, settings, cfg, post=lambda _e: None, fields=dict(fields))
+    stop(start(reporters(NodeLink(settings)), ctx), fields, exiting=ctx)
 
 
 def start(exts: list[Extension], ctx: Context) -> list[Extension]:

@@ -428,6 +428,8 @@ class Service:
                 if not started and record is None and self.retry_at is None:
                     # Failed for good before READY=1 (at once, or after transient tries).
                     self.run_late(record)  # the node hears of it too
+                    if self.ctx is None:  # no config it could use: no extension ever started
+                        extensions.last_words(self.root, self.name, self.kernel, self.fields)
                     if self._take(signal.SIGTERM, signal.SIGINT):
                         return self.stop()
                     # 2 = bad configuration: the unit's RestartPreventExitStatus=2 stops retrying.

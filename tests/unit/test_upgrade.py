@@ -506,6 +506,43 @@ def test_a_config_kvcd_cannot_use_is_said_on_the_node_and_in_the_textfile(
         svc.stop_extensions()
 
 
+@pytest.mark.parametrize("bad", ["instance", "kvcd.toml"])
+def test_a_first_start_that_cannot_use_its_config_says_so_on_the_node(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """The daemon restarted with a config it cannot use exits 2 before any extension started:
+    the node and the textfile say its Degraded / ConfigInvalid record as its last word, not the
+    Done and `.ready` the daemon before it left. With kvcd.toml itself unusable, where the node
+    is cannot be known: it keeps what it had, and the daemon still exits 2."""
+    from tests.promtext import samples
+
+    with_node_extensions(monkeypatch)
+    label(host, "1.0")
+    first = Service(host, "e2e", K, fakehost.RecordingNotifier())
+    try:
+        rec = first.reconcile([Event("start", kind=RETRY)])
+        assert rec is not None and rec.state == "Done"
+        first.run_late(rec)
+        assert FileBackend(host, "n1").read().annotations["kvcd.io/e2e.ready"] == "1.0"
+    finally:
+        first.stop_extensions()
+    if bad == "instance":
+        fakehost.write_config(host, "e2e", "no_such_key = 1\n" + CONFIG.format(v="1.0"))
+    else:
+        fakehost.write(host.main_config, "no_such_key = 1\n")
+    assert Service(host, "e2e", K, fakehost.RecordingNotifier()).run() == 2
+    assert loaded(host) == MODS
+    ann = FileBackend(host, "n1").read().annotations
+    if bad == "kvcd.toml":
+        assert ann["kvcd.io/e2e.state"] == "Done" and ann["kvcd.io/e2e.ready"] == "1.0", ann
+        return
+    assert ann["kvcd.io/e2e.state"] == "Degraded", ann
+    assert ann["kvcd.io/e2e.reason"].startswith("ConfigInvalid: "), ann
+    assert "kvcd.io/e2e.ready" not in ann, ann
+    got = samples(host("/run/kvcd/metrics/kvcd-e2e.prom").read_text())
+    assert got[("kvcd_instance_state", (("instance", "e2e"), ("state", "Degraded")))] == 1
+
+
 class LinksNeverUp(Extension):
     """An after-hook that amends a verified load (as the links' readiness does at its
     deadline): the outcome the node hears is the amended one."""
