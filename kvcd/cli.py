@@ -14,8 +14,12 @@ import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:
+    from kvcd.config.model import InstanceConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 70  # 70: EX_SOFTWARE
 
@@ -391,9 +395,23 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     except StepFailed as exc:
         progress.done()
         print(f"kvcd: {cfg.name}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return _told(root, verb, cfg, _kernel(root, args), EXIT_FAILED)
     progress.done()
-    return EXIT_OK
+    return _told(root, verb, cfg, _kernel(root, args), EXIT_OK)
+
+
+def _told(root: HostRoot, verb: str, cfg: InstanceConfig, kernel: str, code: int) -> int:
+    """`kvcd load` / `unload` (refused while a daemon runs, so none does): the node and the
+    metrics textfile say what the record now says, as a daemon's last word would (one short
+    try; stderr says what failed). `kvcd build` changes no module, and a daemon may run."""
+    from kvcd.daemon import extensions
+
+    if verb not in ("load", "unload"):
+        return code
+    why = extensions.last_words(root, cfg.name, kernel, {"KVCD_INSTANCE": cfg.name}, cfg)
+    if why is not None:
+        print(f"kvcd: {cfg.name}: the node is not told: {why}", file=sys.stderr)
+    return code
 
 
 class _Progress:

@@ -89,12 +89,19 @@ def reporters(link: NodeLink) -> list[Extension]:
     return [MetricsFile(), Reporter(link)]
 
 
-def last_words(root: HostRoot, name: str, kernel: str, fields: Mapping[str, str]) -> None:
-    """A first start that cannot use its config (it exits 2) never had an extension set: the
-    node and the metrics textfile would keep what the last daemon left (Done, `.ready`) beside
-    a record that says Degraded / ConfigInvalid. The reporters, on `kvcd.toml`'s settings, say
-    the record as their last word; with `kvcd.toml` itself unusable nobody can know where the
-    node is, and the journal and `kvcd status` alone say it."""
+def last_words(
+    root: HostRoot,
+    name: str,
+    kernel: str,
+    fields: Mapping[str, str],
+    cfg: InstanceConfig | None = None,
+) -> str | None:
+    """The record, as the reporters' last word, where no extension set runs: a first start that
+    cannot use its instance file (it exits 2 before any started; `cfg` None), or `kvcd load` /
+    `kvcd unload` with no daemon. Else the node and the metrics textfile keep what the last
+    daemon left (Done, `.ready`) beside a record that says otherwise. The reporters run on
+    `kvcd.toml`'s settings; when those cannot be used, where the node is cannot be known: the
+    reason is returned (the record, the journal and `kvcd status` still say the state)."""
     from kvcd.config.loader import load_settings
     from kvcd.config.model import ConfigError
     from kvcd.daemon.report import NodeLink
@@ -103,14 +110,15 @@ def last_words(root: HostRoot, name: str, kernel: str, fields: Mapping[str, str]
     try:
         settings = load_settings(root)
         pylibs.check_settings(root, settings)
-    except ConfigError:
-        return
+    except ConfigError as exc:
+        return str(exc)
     # No usable instance config: what the reporters read of one (ordered_upgrade, for
     # `.ready`, which a record that is not Done never has) is the default.
-    cfg = InstanceConfig(name=name, source=root.etc / "instances" / f"{name}.toml", version="",
-                         modules=())  # fmt: skip
+    cfg = cfg or InstanceConfig(name=name, source=root.etc / "instances" / f"{name}.toml",
+                                version="", modules=())  # fmt: skip
     ctx = Context(root, name, kernel, settings, cfg, post=lambda _e: None, fields=dict(fields))
     stop(start(reporters(NodeLink(settings)), ctx), fields, exiting=ctx)
+    return None
 
 
 def start(exts: list[Extension], ctx: Context) -> list[Extension]:

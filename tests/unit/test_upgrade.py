@@ -543,6 +543,40 @@ def test_a_first_start_that_cannot_use_its_config_says_so_on_the_node(
     assert got[("kvcd_instance_state", (("instance", "e2e"), ("state", "Degraded")))] == 1
 
 
+def test_kvcd_load_and_unload_without_a_daemon_tell_the_node_and_the_textfile(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By hand, with no daemon running: the node and the metrics textfile follow the record
+    (the gate too), as a daemon's last word would; a refused unload is said as Degraded."""
+    from kvcd import cli
+    from tests.promtext import samples
+
+    monkeypatch.setenv("KVCD_NODE_NAME", "n1")
+    prom = host("/run/kvcd/metrics/kvcd-e2e.prom")
+
+    def said() -> tuple[dict[str, str], dict[Any, float]]:
+        return FileBackend(host, "n1").read().annotations, samples(prom.read_text())
+
+    def loaded_metric(got: dict[Any, float]) -> float:
+        return got[("kvcd_module_loaded", (("instance", "e2e"), ("module", "kvcd_base")))]
+
+    assert cli.main(["--root", str(host.root), "load", "e2e"]) == 0
+    ann, got = said()
+    assert (ann["kvcd.io/e2e.state"], ann["kvcd.io/e2e.version"]) == ("Done", "1.0"), ann
+    assert loaded_metric(got) == 1
+    (host.sys_module / "kvcd_base" / "refcnt").write_text("1\n")
+    assert cli.main(["--root", str(host.root), "unload", "e2e"]) == 1
+    ann, got = said()
+    assert ann["kvcd.io/e2e.state"] == "Degraded", ann
+    assert ann["kvcd.io/e2e.reason"].startswith("ModuleInUse: kvcd_base"), ann
+    (host.sys_module / "kvcd_base" / "refcnt").write_text("0\n")
+    assert cli.main(["--root", str(host.root), "unload", "e2e"]) == 0
+    ann, got = said()
+    assert ann["kvcd.io/e2e.state"] == "Done" and "kvcd.io/e2e.reason" not in ann, ann
+    assert loaded_metric(got) == 0
+    assert "not told" not in capsys.readouterr().err
+
+
 class LinksNeverUp(Extension):
     """An after-hook that amends a verified load (as the links' readiness does at its
     deadline): the outcome the node hears is the amended one."""
