@@ -117,7 +117,11 @@ def last_words(
     cfg = cfg or InstanceConfig(name=name, source=root.etc / "instances" / f"{name}.toml",
                                 version="", modules=())  # fmt: skip
     ctx = Context(root, name, kernel, settings, cfg, post=lambda _e: None, fields=dict(fields))
-    stop(start(reporters(NodeLink(settings)), ctx), fields, exiting=ctx)
+    # A "preparing" the record kept from a killed daemon: nobody prepares it now.
+    from kvcd.daemon.nextkernel import Unfinished
+
+    said = [Unfinished(), *reporters(NodeLink(settings, watch=False))]
+    stop(start(said, ctx), fields, exiting=ctx)
     return None
 
 

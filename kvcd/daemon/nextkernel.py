@@ -36,6 +36,7 @@ from kvcd.daemon.record import Record, writing
 from kvcd.host import bootloader, files, journal, rpmostree
 from kvcd.host.bootloader import NextBoot
 from kvcd.host.inhibit import InhibitError, Inhibitor
+from kvcd.host.interrupt import Interrupted
 from kvcd.host.paths import HostRoot
 
 if TYPE_CHECKING:
@@ -88,6 +89,16 @@ def _set_fields(record: Record, outcome: Outcome) -> bool:
         return False
     record.next_kernel, record.next_kernel_state, record.next_kernel_reason = want
     return True
+
+
+def write(ctx: Context, record: Record, outcome: Outcome) -> None:
+    """Put the outcome into the record the service holds and into the state file. That record
+    was read from the file in this cycle: when it says so already, so does the file (no lock,
+    no read: after() runs on every cycle)."""
+    if not _set_fields(record, outcome):
+        return
+    with writing(ctx.root, ctx.name) as w:
+        w.update(lambda current: _set_fields(current, outcome), create=False)
 
 
 def _default_podman(settings: Settings) -> Callable[[], PodmanApi]:
@@ -238,10 +249,11 @@ class NextKernel(Extension):
             return
         before = (self.outcome, self.unheld)
         self.outcome = self.refresh(ctx, record)
-        self.dirty = self.outcome.state == PREPARING
+        if self.outcome.state == PREPARING:  # the build is the next idle work (a watch event
+            self.dirty = True  # that came during this one's build has set it already)
         self.collect(ctx)
         self.hold_reboot(ctx, self.outcome)
-        self.write(ctx, record, self.recorded(self.outcome))
+        write(ctx, record, self.recorded(self.outcome))
         if (self.outcome, self.unheld) != before:
             ctx.post(Event(SOURCE, f"next kernel {self.outcome.kernel or 'none'}"))
 
@@ -284,24 +296,26 @@ class NextKernel(Extension):
     def after(self, ctx: Context, record: Record) -> Verdict | None:
         """The record the other hooks see (and the node gets) carries the last outcome."""
         if self.outcome is not None:
-            self.write(ctx, record, self.recorded(self.outcome))
+            write(ctx, record, self.recorded(self.outcome))
         elif record.next_kernel == ctx.kernel:  # recorded before the reboot into it: done
-            self.write(ctx, record, NONE)
+            write(ctx, record, NONE)
         return None  # the next kernel never changes the running instance's state
 
     def at_exit(self, ctx: Context, record: Record | None) -> None:
-        """Stopped between the announcement and the end of the build (SIGTERM cuts into a
-        build: kvcd.host.interrupt): the record must not go on saying "preparing"."""
-        if record is not None and record.next_kernel_state == PREPARING:
-            why = "stopped before preparing finished; the next start prepares it again"
-            self.write(ctx, record, Outcome(record.next_kernel, FAILED, why))
+        """Stopped between the announcement and the build: the record must not go on saying
+        "preparing" (a build SIGTERM cut into said so at once, in prepare)."""
+        if record is not None:
+            unfinished(ctx, record)
 
     def refresh(self, ctx: Context, record: Record) -> Outcome:
         fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name}
         try:
             nb = self.detector(ctx.root)
-        except Exception:  # detection must never take the daemon down
+        except Exception as exc:  # detection must never take the daemon down
             log.exception("next kernel: detection failed", extra=fields)
+            if self.outcome is not None and self.outcome.state == PREPARING:
+                # Announced, and now unknown: not "preparing" with nothing to wake the build.
+                return Outcome(self.outcome.kernel, FAILED, f"detection failed: {exc}")
             return self.outcome or NONE
         if nb.kernel is None:
             if nb.detail != self.last_unknown:
@@ -357,6 +371,9 @@ class NextKernel(Extension):
         except Exception as exc:  # a bug must not take the running instance down
             log.exception("next kernel %s: preparing failed", nb.kernel, extra=fields)
             outcome = Outcome(nb.kernel, FAILED, f"internal error: {exc}")
+        except Interrupted:  # the daemon stops: said now, not after the stop's unload or drain
+            unfinished(ctx, record)
+            raise
         if fresh and outcome.state == READY:
             metrics.observe(NEXT_KERNEL, time.monotonic() - t0)
         outcome = _mid_upgrade(ctx, record, outcome)
@@ -408,14 +425,25 @@ class NextKernel(Extension):
 
         return release
 
-    def write(self, ctx: Context, record: Record, outcome: Outcome) -> None:
-        """Put the outcome into the record the service holds and into the state file. That
-        record was read from the file in this cycle: when it says so already, so does the file
-        (no lock, no read: after() runs on every cycle)."""
-        if not _set_fields(record, outcome):
-            return
-        with writing(ctx.root, ctx.name) as w:
-            w.update(lambda current: _set_fields(current, outcome), create=False)
+
+def unfinished(ctx: Context, record: Record) -> None:
+    """A recorded "preparing" that nobody carries on (this daemon stops; or it was killed, and a
+    verb with no daemon reports the record) is failed: it never closes the gate, nor says
+    "preparing" on the node, for a preparation no process is doing."""
+    if record.next_kernel_state == PREPARING:
+        why = "stopped before preparing finished; the next start prepares it again"
+        write(ctx, record, Outcome(record.next_kernel, FAILED, why))
+
+
+class Unfinished(Extension):
+    """Only `unfinished` as its last word: for the reporters that run with no daemon
+    (extensions.last_words), ahead of them."""
+
+    name = "next-kernel-unfinished"
+
+    def at_exit(self, ctx: Context, record: Record | None) -> None:
+        if record is not None:
+            unfinished(ctx, record)
 
 
 def _mid_upgrade(ctx: Context, record: Record, outcome: Outcome) -> Outcome:

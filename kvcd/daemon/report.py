@@ -57,10 +57,17 @@ EXIT_TRY = 10.0  # seconds per request of the report as the daemon exits (one tr
 class NodeLink:
     """Shared by the extensions of one process; started by the first, stopped by the last."""
 
-    def __init__(self, settings: Settings, opener: Callable[[Context], Backend] | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        opener: Callable[[Context], Backend] | None = None,
+        watch: bool = True,
+    ):
+        """`watch` False: one report and done (extensions.last_words), no watch thread."""
         self.settings = settings
         self.prefix = settings.annotation_prefix
         self._opener = opener
+        self._watch = watch
         self.backend: Backend | None = None
         self.writer: NodeWriter | None = None
         self._users = 0
@@ -80,6 +87,8 @@ class NodeLink:
             opener = self._opener or (lambda c: open_backend(c.root, c.settings, os.environ))
             self.backend = opener(ctx)
             self.writer = NodeWriter(self.backend)
+        if not self._watch:
+            return
         try:  # the writer trusts the views it delivers while it works (NodeWriter)
             self.backend.watch(self._changed, self._lost)
         except Exception as exc:  # a watch that cannot start: reconciles still read fresh

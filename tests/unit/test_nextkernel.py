@@ -689,12 +689,14 @@ def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
     assert rollback.is_dir()
 
 
+@pytest.mark.parametrize("cut", ["build", "between"])
 def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch, cut: str
 ) -> None:
-    """SIGTERM cuts into the next kernel's build (kvcd.host.interrupt), or comes between the
-    announcement and the build: the daemon stops, and its last word (at_exit) has the record say
-    why the next kernel is not ready, not "preparing" for as long as the unit is stopped."""
+    """SIGTERM cuts into the next kernel's build (kvcd.host.interrupt: said at once, before the
+    stop's unload or drain), or comes between the announcement and the build (said by the last
+    word, at_exit, before the Reporter's): the record says why the next kernel is not ready,
+    not "preparing" for as long as the unit is stopped."""
     from kvcd.host.interrupt import Interrupted
 
     running_extraction(host)
@@ -711,10 +713,13 @@ def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
     ext.start(ctx)
     record(host)
     ext.idle(ctx)  # announced
-    with pytest.raises(Interrupted):
-        ext.idle(ctx)
+    if cut == "build":
+        with pytest.raises(Interrupted):
+            ext.idle(ctx)
     saved = Record.read(host, NAME)
-    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, PREPARING)
+    assert saved is not None
+    at_once = FAILED if cut == "build" else PREPARING
+    assert (saved.next_kernel, saved.next_kernel_state) == (B, at_once)
     ext.at_exit(ctx, saved)
     assert (saved.next_kernel, saved.next_kernel_state) == (B, FAILED)  # what the node gets
     saved = Record.read(host, NAME)
@@ -722,6 +727,69 @@ def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
     assert saved.next_kernel_reason == (
         "stopped before preparing finished; the next start prepares it again"
     )
+
+
+def test_a_boot_configuration_change_during_the_build_is_looked_at_again(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch fires while the build for B runs (C is made the default): the next idle work
+    looks again, and the record does not stay "B ready" while C boots next."""
+    running_extraction(host)
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
+    nxt = {"kernel": B}
+    watches: list[FakeWatch] = []
+
+    def watch(dirs: Any, cb: Any) -> FakeWatch:
+        watches.append(FakeWatch(dirs, cb))
+        return watches[-1]
+
+    class Switching(FakePodman):
+        def build(self, spec: Any, on_line: Any) -> Any:
+            nxt["kernel"] = C
+            watches[0].on_change(host("/boot/loader/entries/x-C.conf"))
+            return super().build(spec, on_line)
+
+    ext = NextKernel(
+        Settings(),
+        detector=lambda _r: next_boot(host, nxt["kernel"]),
+        podman=lambda: Switching(host, B),
+        watch=watch,
+    )
+    ctx, _ = context(host, config(host))
+    ext.start(ctx)
+    record(host)
+    ext.idle(ctx)  # B announced
+    ext.idle(ctx)  # B built; C became the default meanwhile
+    assert ext.wants_idle()
+    ext.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and saved.next_kernel == C, saved
+
+
+def test_a_detection_that_fails_after_the_announcement_does_not_stay_preparing(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing would wake the build again (no event is posted for an unchanged outcome): the
+    record says the look failed, and the event publishes it."""
+    running_extraction(host)
+    answers: list[Any] = [next_boot(host, B), OSError("grubenv: Permission denied")]
+
+    def detector(_root: HostRoot) -> NextBoot:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
+
+    ext = NextKernel(Settings(), detector=detector, podman=lambda: FakePodman(host, B))
+    ctx, posted = context(host, config(host))
+    ext.start(ctx)
+    record(host)
+    ext.idle(ctx)
+    ext.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, FAILED)
+    assert saved.next_kernel_reason == "detection failed: grubenv: Permission denied"
+    assert len(posted) == 2
 
 
 def test_extension_cleans_up_after_a_kernel_is_removed(

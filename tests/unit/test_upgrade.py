@@ -575,6 +575,17 @@ def test_kvcd_load_and_unload_without_a_daemon_tell_the_node_and_the_textfile(
     assert ann["kvcd.io/e2e.state"] == "Done" and "kvcd.io/e2e.reason" not in ann, ann
     assert loaded_metric(got) == 0
     assert "not told" not in capsys.readouterr().err
+    # A "preparing" a killed daemon left in the record: nobody prepares it, and the node is
+    # told so (failed, and why), not "preparing" with no process to finish it.
+    rec = Record.read(host, "e2e")
+    assert rec is not None
+    rec.next_kernel, rec.next_kernel_state = "6.1.0-99-amd64", "preparing"
+    rec.write(host)
+    assert cli.main(["--root", str(host.root), "load", "e2e"]) == 0
+    ann = FileBackend(host, "n1").read().annotations
+    assert ann["kvcd.io/e2e.next-kernel"] == (
+        "6.1.0-99-amd64 failed: stopped before preparing finished; the next start prepares it again"
+    ), ann
 
 
 class LinksNeverUp(Extension):
