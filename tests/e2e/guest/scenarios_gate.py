@@ -15,8 +15,9 @@ the kABI shortcut (weak-updates) cannot hide the broken build.
      kvcd.io/upgradeable=false, kvcd.io/upgradeable-reason naming e2e-gate, the kernel and
      the reason; with inhibit_reboot = true a logind block inhibitor by kvcd holds the reboot
      (`systemd-inhibit --list`; `systemctl --dry-run --check-inhibitors=yes reboot` refused).
-(o3) Fixed (version 2.0, `systemctl reload`): prepared, the label back to true, the reason gone,
-     the inhibitor released; `kvcd prepare --kernel <second>` says ready.
+(o3) Fixed (version 2.0, `systemctl reload`): "e2e-gate: <second> preparing" on the node while
+     it builds (the gate closed), then prepared, the label back to true, the reason gone, the
+     inhibitor released; `kvcd prepare --kernel <second>` says ready.
 
 The boot configuration, kvcd.toml and e2e-kmod are put back as they were found.
 """
@@ -174,6 +175,15 @@ def test_o2_a_next_kernel_without_its_driver_closes_the_gate_and_holds_the_reboo
 def test_o3_fixed_the_gate_opens_and_the_reboot_is_free() -> None:
     write_instance("2.0", CTX["fixed"])
     sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    # The new version's preparation for the second kernel is announced before its build (some
+    # 20 s under TCG, after the reload's answer): the node says so, and the gate stays closed.
+    label, reason = wait_for(
+        lambda: f"{NAME}: {KVER2} preparing" in (node()[1] or "") and node(),
+        BUILD_TIMEOUT,
+        "preparing on the node",
+        interval=0.2,
+    )
+    assert label == "false", (label, reason)
     wait_for(lambda: node() == ("true", None), BUILD_TIMEOUT, "the gate to open")
     wait_for(lambda: not inhibitors(), 60, "the inhibitor to go")
     p = sh(["kvcd", "prepare", NAME, "--kernel", KVER2], timeout=BUILD_TIMEOUT)
