@@ -153,6 +153,7 @@ class NextKernel(Extension):
         return dirs
 
     def start(self, ctx: Context) -> None:
+        self.hold_recorded(ctx)
         if rpmostree.is_ostree_host(ctx.root):
             missing = rpmostree.dbus_missing()
             if missing is not None:  # a real alternative, said once here and in `kvcd status`
@@ -184,6 +185,18 @@ class NextKernel(Extension):
                 FALLBACK_INTERVAL,
                 extra=ctx.fields,
             )
+
+    def hold_recorded(self, ctx: Context) -> None:
+        """inhibit_reboot: a failure the record keeps (from the set before a reload that changed
+        the config, or the daemon before this one) holds the reboot from the start, not only
+        once it has failed again: the fix (`systemctl reload` with a mended driver) does not let
+        a reboot through while it is built. Its preparation releases it when it succeeds."""
+        if self.inhibitor is None:
+            return
+        rec = Record.read(ctx.root, ctx.name)
+        if rec is None or rec.next_kernel in ("", ctx.kernel) or rec.next_kernel_state != FAILED:
+            return
+        self.hold_reboot(ctx, Outcome(rec.next_kernel, FAILED, rec.next_kernel_reason))
 
     def stop(self) -> None:
         if self.watcher is not None:

@@ -911,6 +911,41 @@ def test_inhibit_reboot_holds_while_the_next_kernel_failed(
     assert not inh.why  # a stopping daemon holds nothing
 
 
+@pytest.mark.parametrize(
+    ("recorded", "calls"),
+    [
+        (
+            (B, FAILED, "BuildFailed: make exited 2"),
+            [f"hold kvcd@e2e is not ready for kernel {B}: BuildFailed: make exited 2"],
+        ),
+        ((B, READY, "built"), []),
+        ((A, FAILED, "recorded before the reboot into it"), []),
+        (("", "", ""), []),
+    ],
+    ids=["failed: held from the start", "ready: nothing", "the running kernel: nothing", "none"],
+)
+def test_a_recorded_failure_holds_the_reboot_from_the_start(
+    host: HostRoot, recorded: tuple[str, str, str], calls: list[str]
+) -> None:
+    """A reload that changes the config (the fix) starts a new set: the failure the record
+    keeps holds the reboot at once, not only once the rebuild has failed again, so the reboot
+    is not let through while the mended driver is built."""
+    inh = RecordingInhibitor()
+    ext = NextKernel(
+        Settings(inhibit_reboot=True),
+        detector=lambda _r: next_boot(host, None),
+        inhibitor=inh,  # type: ignore[arg-type]
+        watch=FakeWatch,
+    )
+    ctx, _ = context(host, config(host))
+    rec = record(host)
+    rec.next_kernel, rec.next_kernel_state, rec.next_kernel_reason = recorded
+    rec.write(host)
+    ext.start(ctx)
+    assert inh.calls == calls
+    ext.stop()
+
+
 def test_an_inhibitor_logind_refuses_is_said_and_the_instance_goes_on(
     host: HostRoot, caplog: pytest.LogCaptureFixture
 ) -> None:
