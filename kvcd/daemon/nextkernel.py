@@ -441,8 +441,9 @@ class NextKernel(Extension):
 
 def unfinished(ctx: Context, record: Record) -> None:
     """A recorded "preparing" that nobody carries on (this daemon stops; or it was killed, and a
-    verb with no daemon reports the record) is failed: it never closes the gate, nor says
-    "preparing" on the node, for a preparation no process is doing."""
+    verb with no daemon reports the record) is failed, with why: the node and `kvcd status` do
+    not say "preparing" for a preparation no process is doing (the gate stays closed either
+    way: that kernel is not ready)."""
     if record.next_kernel_state == PREPARING:
         why = "stopped before preparing finished; the next start prepares it again"
         write(ctx, record, Outcome(record.next_kernel, FAILED, why))
