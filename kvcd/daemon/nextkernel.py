@@ -342,6 +342,8 @@ class NextKernel(Extension):
         if previous is not None and previous == Outcome(nb.kernel, PREPARING):
             return self.prepare(ctx, record, nb, fields, self.settled, fresh=True)
         if previous is None or previous.kernel != nb.kernel or previous.state != READY:
+            if _ready_already(ctx, nb.kernel):  # a new set, a restart, `kvcd prepare` by hand:
+                return self.prepare(ctx, record, nb, fields, previous, fresh=False)  # no build
             log.info(
                 "next kernel %s (%s: %s); preparing %s",
                 nb.kernel,
@@ -437,6 +439,18 @@ class NextKernel(Extension):
                 return []
 
         return release
+
+
+def _ready_already(ctx: Context, kernel: str) -> bool:
+    """The configured version is prepared for `kernel` already (a read-only look): nothing to
+    announce, so the node's next-kernel and the gate do not flicker through "preparing" at each
+    start of a set. A version a reload changed is not (its manifest names the old one)."""
+    from kvcd.daemon.ahead import prepared_how
+
+    try:
+        return prepared_how(ctx.root, ctx.cfg, kernel) is not None
+    except Exception:  # prepare() says what is wrong, after the announcement
+        return False
 
 
 def unfinished(ctx: Context, record: Record) -> None:

@@ -689,6 +689,45 @@ def test_clean_up_on_rpm_ostree_keeps_every_deployment_kernel(
     assert rollback.is_dir()
 
 
+def test_a_new_set_finds_a_prepared_kernel_ready_without_announcing_it(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart (or a reload's new set) with the next kernel prepared already: one look says
+    ready, and neither the record nor the node goes through "preparing" (the gate would close
+    for a moment at every start). A reload that changes the version has to prepare it: that is
+    announced."""
+    running_extraction(host)
+    monkeypatch.setattr(ahead, "check_weak", weak_verdict(False))
+    pod = FakePodman(host, B)
+
+    def fresh_set(cfg: InstanceConfig) -> tuple[NextKernel, Context, list[Event]]:
+        ext = NextKernel(Settings(), detector=lambda _r: next_boot(host, B), podman=lambda: pod)
+        ctx, posted = context(host, cfg)
+        ext.start(ctx)
+        return ext, ctx, posted
+
+    record(host)
+    first, ctx, _ = fresh_set(config(host))
+    while first.wants_idle():
+        first.idle(ctx)
+    assert builds(pod) == [B]
+    first.stop()
+
+    again, ctx, posted = fresh_set(config(host))
+    again.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, READY)
+    assert not again.wants_idle() and len(posted) == 1 and builds(pod) == [B]
+
+    fakehost.store_version(host, NAME, "2.0", A, ["kvcd_base", "kvcd_user"])
+    bumped, ctx, posted = fresh_set(dataclasses.replace(config(host), version="2.0"))
+    bumped.idle(ctx)
+    saved = Record.read(host, NAME)
+    assert saved is not None and (saved.next_kernel, saved.next_kernel_state) == (B, PREPARING)
+    bumped.idle(ctx)
+    assert builds(pod) == [B, B]
+
+
 @pytest.mark.parametrize("cut", ["build", "between"])
 def test_a_stop_during_a_preparation_does_not_leave_it_preparing(
     host: HostRoot, monkeypatch: pytest.MonkeyPatch, cut: str
