@@ -193,10 +193,15 @@ class NextKernel(Extension):
         a reboot through while it is built. Its preparation releases it when it succeeds."""
         if self.inhibitor is None:
             return
-        rec = Record.read(ctx.root, ctx.name)
+        try:
+            rec = Record.load(ctx.root, ctx.name)  # no side effect: the reconcile reads it too
+        except OSError:  # refused or damaged: said elsewhere (and the extension must start)
+            return
         if rec is None or rec.next_kernel in ("", ctx.kernel) or rec.next_kernel_state != FAILED:
             return
-        self.hold_reboot(ctx, Outcome(rec.next_kernel, FAILED, rec.next_kernel_reason))
+        # Not the recorded reason: it may carry the last daemon's "reboot not held" note.
+        why = "it failed before this start; kvcd status says why"
+        self.hold_reboot(ctx, Outcome(rec.next_kernel, FAILED, why))
 
     def stop(self) -> None:
         if self.watcher is not None:

@@ -950,21 +950,36 @@ def test_inhibit_reboot_holds_while_the_next_kernel_failed(
     assert not inh.why  # a stopping daemon holds nothing
 
 
+AGAIN = "it failed before this start; kvcd status says why"
+
+
 @pytest.mark.parametrize(
     ("recorded", "calls"),
     [
         (
             (B, FAILED, "BuildFailed: make exited 2"),
-            [f"hold kvcd@e2e is not ready for kernel {B}: BuildFailed: make exited 2"],
+            [f"hold kvcd@e2e is not ready for kernel {B}: {AGAIN}"],
+        ),
+        (
+            (B, FAILED, "BuildFailed; reboot not held (inhibit_reboot = true): no logind"),
+            [f"hold kvcd@e2e is not ready for kernel {B}: {AGAIN}"],
         ),
         ((B, READY, "built"), []),
         ((A, FAILED, "recorded before the reboot into it"), []),
         (("", "", ""), []),
+        (None, []),
     ],
-    ids=["failed: held from the start", "ready: nothing", "the running kernel: nothing", "none"],
+    ids=[
+        "failed: held from the start",
+        "the last daemon's not-held note is not the reason",
+        "ready: nothing",
+        "the running kernel: nothing",
+        "none",
+        "a refused record (a symlink): nothing held, and the extension starts",
+    ],
 )
 def test_a_recorded_failure_holds_the_reboot_from_the_start(
-    host: HostRoot, recorded: tuple[str, str, str], calls: list[str]
+    host: HostRoot, recorded: tuple[str, str, str] | None, calls: list[str]
 ) -> None:
     """A reload that changes the config (the fix) starts a new set: the failure the record
     keeps holds the reboot at once, not only once the rebuild has failed again, so the reboot
@@ -978,9 +993,14 @@ def test_a_recorded_failure_holds_the_reboot_from_the_start(
     )
     ctx, _ = context(host, config(host))
     rec = record(host)
-    rec.next_kernel, rec.next_kernel_state, rec.next_kernel_reason = recorded
-    rec.write(host)
-    ext.start(ctx)
+    if recorded is None:
+        path = host.state_file(NAME)
+        path.rename(path.with_name("elsewhere.json"))
+        path.symlink_to("elsewhere.json")
+    else:
+        rec.next_kernel, rec.next_kernel_state, rec.next_kernel_reason = recorded
+        rec.write(host)
+    ext.start(ctx)  # raises nothing: extensions.start would leave it out
     assert inh.calls == calls
     ext.stop()
 
