@@ -395,9 +395,9 @@ def _dispatch(root: HostRoot, args: argparse.Namespace) -> int:
     except StepFailed as exc:
         progress.done()
         print(f"kvcd: {cfg.name}: {exc}", file=sys.stderr)
-        return _told(root, verb, cfg, _kernel(root, args), EXIT_FAILED)
+        return _told(root, verb, cfg, inst.kernel, EXIT_FAILED)
     progress.done()
-    return _told(root, verb, cfg, _kernel(root, args), EXIT_OK)
+    return _told(root, verb, cfg, inst.kernel, EXIT_OK)
 
 
 def _told(root: HostRoot, verb: str, cfg: InstanceConfig, kernel: str, code: int) -> int:

@@ -19,12 +19,11 @@ class Outcome:
 NONE = Outcome("")
 
 
-NOT_HELD = "; reboot not held (inhibit_reboot = true): "
-
-
 def not_held(outcome: Outcome, why: str) -> Outcome:
     """A failed `outcome` as the record carries it when `inhibit_reboot = true` could not hold
     the reboot into its kernel (`why`: what logind or the bus said): its reason says so, and
     with it `kvcd status`, its --json, the node's next-kernel annotation and the OS-update
     gate's reason. The journal's line alone is easy to miss."""
-    return replace(outcome, reason=f"{outcome.reason}{NOT_HELD}{why}")
+    return replace(
+        outcome, reason=f"{outcome.reason}; reboot not held (inhibit_reboot = true): {why}"
+    )

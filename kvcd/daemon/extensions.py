@@ -114,8 +114,8 @@ def last_words(
         return str(exc)
     # No usable instance config: what the reporters read of one (ordered_upgrade, for
     # `.ready`, which a record that is not Done never has) is the default.
-    cfg = cfg or InstanceConfig(name=name, source=root.etc / "instances" / f"{name}.toml",
-                                version="", modules=())  # fmt: skip
+    source = root.instance_dirs()[0] / f"{name}.toml"
+    cfg = cfg or InstanceConfig(name=name, source=source, version="", modules=())
     ctx = Context(root, name, kernel, settings, cfg, post=lambda _e: None, fields=dict(fields))
     # A "preparing" the record kept from a killed daemon: nobody prepares it now.
     from kvcd.daemon.nextkernel import Unfinished
