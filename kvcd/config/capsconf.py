@@ -34,6 +34,9 @@ _LINK_KEYS = ("driver", "name", "up")
 CAPABILITY_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
 VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _MODALIAS_GLOB = re.compile(r"[A-Za-z0-9_:*?\[\]!.-]{1,256}")
+# Hex digits (or '*') on both sides of one colon: meant as a vendor:device id, whatever its
+# length; no bus's modalias looks so (they start with the bus's name: pci:, usb:, acpi:).
+_ID_LIKE = re.compile(r"[0-9A-Fa-f*]+:[0-9A-Fa-f*]+")
 _LINK_GLOB = re.compile(r"[A-Za-z0-9_.:@*?\[\]!-]{1,64}")
 
 Fail = Callable[..., ConfigError]
@@ -194,7 +197,7 @@ def _requires_device(raw: object, fail: Fail) -> tuple[str, ...]:
             "requires_device",
         )
     for v in values:
-        if ":" in v and len(v) <= 9 and not is_vendor_device(v):
+        if (_ID_LIKE.fullmatch(v) or (":" in v and len(v) <= 9)) and not is_vendor_device(v):
             raise fail(
                 f"'requires_device' entry {v!r}: a vendor:device id is two 4-digit hex numbers "
                 "(e.g. \"8086:1521\", either may be '*')",

@@ -415,6 +415,10 @@ def test_variant_image_tag_names_the_variant() -> None:
         (("[capabilities]", 'arch = ["x"]'), 4, "there is no [variants.*]"),
         (("[variants]",), 4, "'variants' must be tables [variants.<name>]"),
         (('requires_device = ["1af4:10"]',), 4, "a vendor:device id is two 4-digit hex"),
+        # Too long an id is no modalias glob either (it would never match: "no device" for good).
+        (('requires_device = ["80861:1521"]',), 4, "a vendor:device id is two 4-digit hex"),
+        (('requires_device = ["8086:15211"]',), 4, "a vendor:device id is two 4-digit hex"),
+        (('requires_device = ["8086:*1521"]',), 4, "a vendor:device id is two 4-digit hex"),
         (('requires_device = ["pci v*"]',), 4, "neither a vendor:device id nor a modalias glob"),
         (("requires_device = []",), 4, "'requires_device' must be a non-empty array"),
         (("unload_on_device_removal = true",), 4, "'unload_on_device_removal' needs"),
