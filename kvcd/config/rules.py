@@ -436,12 +436,19 @@ def valid_node_name(value: object, label: str) -> str:
     raise Invalid(f"'{label}' must be a node name (a DNS subdomain), got {show(value)}")
 
 
-def valid_abs_path(value: object, label: str) -> str:
+def valid_abs_path(value: object, label: str, *, secret: bool = False) -> str:
+    """An absolute path (or ""); a `secret` one (the signing key's) is not repeated in the
+    error, which reaches the journal: the error names its file and line."""
     if isinstance(value, str) and (
         value == "" or (value.startswith("/") and not has_control(value))
     ):
         return value
-    raise Invalid(f"'{label}' must be an absolute path, got {show(value)}")
+    got = "" if secret and isinstance(value, str) else f", got {show(value)}"
+    raise Invalid(f"'{label}' must be an absolute path{got}")
+
+
+def valid_key_path(value: object, label: str) -> str:
+    return valid_abs_path(value, label, secret=True)
 
 
 def valid_directory(value: object, label: str) -> str:

@@ -16,6 +16,7 @@ from kvcd.daemon.images import archive_problem
 from kvcd.daemon.instance import Instance, held_modules
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import KernelUnknown, running_kernel
+from kvcd.daemon.signing import unsigned_by_library
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import regauth
 from kvcd.host.paths import HostRoot
@@ -86,7 +87,8 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
         print(f"{name}: INVALID: {problem}")
         return False
     print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
-    for line in warnings:
+    unsigned = unsigned_by_library(cfg, settings)
+    for line in [*warnings, *([unsigned] if unsigned else [])]:
         print(f"  warning: {line}")
     print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
     if not kernel:

@@ -32,6 +32,7 @@ from kvcd.daemon.events import HOLD, LOAD, SKIP, Context, Event, Extension, Mail
 from kvcd.daemon.instance import Instance, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record, status_text
+from kvcd.daemon.signing import unsigned_by_library
 from kvcd.daemon.upgrade import check_upgrade_label
 from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs, regauth
 from kvcd.host.paths import HostRoot
@@ -151,6 +152,9 @@ class Service:
             journal.stamp(KVCD_KERNEL=self.kernel, KVCD_VERSION=self.cfg.version)
             check_upgrade_label(self.cfg, settings)
             regauth.check(self.root, self.cfg, settings)
+            unsigned = unsigned_by_library(self.cfg, settings)
+            if unsigned:
+                log.warning("%s", unsigned, extra=self.fields)
         except ConfigError as exc:
             self.config_invalid = True
             log.error(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kvcd.config.model import Settings
+from kvcd.config.model import InstanceConfig, Settings
 from kvcd.core import state
 from kvcd.core.state import StepFailed
 from kvcd.host import modsign
@@ -26,6 +26,18 @@ def sign_extracted(settings: Settings, found: list[Path], fields: dict[str, str]
         except (modsign.SignError, OSError) as exc:
             raise StepFailed(state.SIGN_FAILED, str(exc)) from exc
     log.info("signed %d modules with %s", len(found), cert, extra=fields)
+
+
+def unsigned_by_library(cfg: InstanceConfig, settings: Settings) -> str | None:
+    """Why kvcd.toml's sign_key does not reach a KVC library instance (None when it does, or
+    none is set): its `<name>-lib.sh` builds and loads the modules, kvcd extracts nothing."""
+    if not settings.sign_key or cfg.kvc_lib is None:
+        return None
+    return (
+        f"sign_key (kvcd.toml) does not reach this instance: its library {cfg.kvc_lib} builds "
+        "and loads the modules itself, so kvcd neither signs them nor checks their signatures "
+        "before the load"
+    )
 
 
 def signer_fields(path: Path) -> dict[str, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,16 +246,22 @@ def signing_problem(key: str, cert: str) -> tuple[str, str] | None:
     if not key:
         return None
     for setting, value in (("sign_key", key), ("sign_cert", cert)):
+        # The key's path is not said (the journal and the record get this text): the error
+        # names kvcd.toml's line that holds it.
+        named = setting if setting == "sign_key" else f"{setting} = {value!r}"
         try:
             st = os.stat(value)
         except OSError as exc:
-            return setting, f"{setting} = {value!r}: {exc.strerror}"
-        if not Path(value).is_file():
-            return setting, f"{setting} = {value!r} is not a regular file"
-        if setting == "sign_key" and st.st_mode & 0o077:
+            return setting, f"{named}: {exc.strerror}"
+        if not stat.S_ISREG(st.st_mode):
+            return setting, f"{named} is not a regular file"
+        if setting != "sign_key":
+            continue
+        if st.st_uid not in (0, os.geteuid()):
+            return setting, f"sign_key is owned by uid {st.st_uid}, not by root: chown root it"
+        if st.st_mode & 0o077:
             return setting, (
-                f"sign_key = {value!r} can be read by others (mode {st.st_mode & 0o777:o}): "
-                "chmod 600 it"
+                f"sign_key can be read by others (mode {st.st_mode & 0o777:o}): chmod 600 it"
             )
     from kvcd.host.run import which
 

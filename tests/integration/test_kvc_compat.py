@@ -114,6 +114,28 @@ def test_kvc_instance_loads_unloads_and_wraps_through_its_library(
     assert (out.returncode, out.stdout) == (0, "wrapper spkut 44\n")
 
 
+def test_signing_that_cannot_reach_a_library_instance_is_said_at_check_config(
+    host: tuple[HostRoot, dict[str, str]],
+) -> None:
+    """kvcd signs what it extracts; a library builds and loads its own modules. check-config
+    says so for such an instance when kvcd.toml sets a signing key (the daemon's journal too)."""
+    root, env = host
+    keys = root.root / "keys"
+    keys.mkdir()
+    for name in ("k.key", "k.crt"):
+        (keys / name).write_text("PEM\n")
+        (keys / name).chmod(0o600)
+    fakehost.write(root.main_config, f'sign_key = "{keys}/k.key"\nsign_cert = "{keys}/k.crt"\n')
+    check = kvcd(env, "check-config", "simple-kmod")
+    assert check.returncode == 0, check.stdout + check.stderr
+    lib = root("/usr/lib/kvc/simple-kmod-lib.sh")
+    assert (
+        f"  warning: sign_key (kvcd.toml) does not reach this instance: its library {lib} builds "
+        "and loads the modules itself, so kvcd neither signs them nor checks their signatures "
+        "before the load\n"
+    ) in check.stdout, check.stdout
+
+
 LOAD_MODULES = 'for m in $KMOD_NAMES; do modprobe "${m//-/_}"; done'
 
 

@@ -57,7 +57,7 @@ def test_unsigned_modules_are_refused_before_the_load(
     ("lines", "where", "error"),
     [
         (['sign_key = "/etc/kvcd/k.pem"'], 1, "sign_key and sign_cert go together"),
-        (['sign_key = "k.pem"'], 1, "'sign_key' must be an absolute path"),
+        (['sign_key = "k.pem"'], 1, "'sign_key' must be an absolute path\n"),  # its value unsaid
         (['sign_hash = "md5"'], 1, "'sign_hash' must be one of 'sha256', 'sha384', 'sha512'"),
     ],
 )
