@@ -397,12 +397,19 @@ def valid_podman_socket(value: object, label: str) -> str:
         raise Invalid(f"'{label}' is not a valid URL, got {show(value)}") from None
     if url.scheme == "unix" and not url.netloc and url.path.startswith("/"):
         return value
-    if url.scheme in ("tcp", "ssh") and host:
+    if url.scheme == "ssh":
+        # podman-py's ssh transport turns host key checking off (a host that is not the build
+        # host could hand kvcd the modules it loads), and kvcd@.service's ProtectHome=yes
+        # hides root's keys from it.
+        raise Invalid(
+            f"'{label}' cannot be ssh://: the ssh transport kvcd's podman library uses does not "
+            "check the host's key, and kvcd@.service hides root's ~/.ssh; forward the remote "
+            "socket to a local one (ssh -L) and give its unix:// path, got "
+            f"{show(value)}"
+        )
+    if url.scheme == "tcp" and host:
         return value
-    raise Invalid(
-        f"'{label}' must be unix:///absolute/path, tcp://host:port or "
-        f"ssh://user@host/path, got {show(value)}"
-    )
+    raise Invalid(f"'{label}' must be unix:///absolute/path or tcp://host:port, got {show(value)}")
 
 
 def valid_dns_subdomain(value: object, label: str) -> str:

@@ -141,10 +141,27 @@ def wrapper(
     if cfg.kvc_lib is not None:
         env = hooks.hook_env(cfg.name, kernel, cfg.kvc_vars(), cfg.kvc_exported)
         return hooks.wrapper(cfg.kvc_lib, command, env)
+    from kvcd.daemon.variants import resolve_variant
+
     if not command:
         print("kvcd: wrapper needs a command to run", file=sys.stderr)
         return 2
-    argv = ["podman", "run", "--rm", "-i", *cfg.wrapper_args, cfg.image_tag(kernel), *command]
+    if not settings.podman_socket.startswith("unix:"):
+        print(
+            f"kvcd: wrapper: podman_socket = {settings.podman_socket!r} (kvcd.toml) is another "
+            "host's podman, which holds the driver image; the wrapper runs the tool on this "
+            "node, through a local podman socket",
+            file=sys.stderr,
+        )
+        return 2
+    # The image the daemon builds: the variant picked for this node, in the storage of the
+    # podman service kvcd talks to (--url: the podman CLI as that service's client).
+    cfg, no_variant = resolve_variant(root, settings, cfg, kernel)
+    if no_variant is not None:
+        print(f"kvcd: {cfg.name}: {no_variant}", file=sys.stderr)
+        return 1
+    argv = ["podman", "--url", settings.podman_socket, "run", "--rm", "-i", *cfg.wrapper_args]
+    argv += [cfg.image_tag(kernel), *command]
     try:
         return run_inherit(argv)
     except CommandError as exc:

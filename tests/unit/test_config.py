@@ -818,7 +818,7 @@ def test_settings_admin_then_vendor(root: HostRoot) -> None:
 
 def test_settings_all_keys(root: HostRoot) -> None:
     text = doc(
-        'podman_socket = "ssh://core@node1/run/podman/podman.sock"',
+        'podman_socket = "tcp://build-host.example.com:8888"',
         'annotation_prefix = "drivers.example.com"',
         'node_backend = "kubernetes"',
         'kubeconfig = "/etc/kvcd/kubeconfig"',
@@ -826,7 +826,7 @@ def test_settings_all_keys(root: HostRoot) -> None:
     )
     write(root.main_config, text)
     assert load_settings(root) == Settings(
-        podman_socket="ssh://core@node1/run/podman/podman.sock",
+        podman_socket="tcp://build-host.example.com:8888",
         annotation_prefix="drivers.example.com",
         node_backend="kubernetes",
         kubeconfig="/etc/kvcd/kubeconfig",
@@ -853,6 +853,13 @@ BAD_SETTINGS = [
     ("prefix-long-label", doc(f'annotation_prefix = "{"a" * 64}.io"'), 1, "DNS subdomain"),
     ("socket-relative", doc('podman_socket = "unix://run/x.sock"'), 1, "'podman_socket' must be"),
     ("socket-not-string", doc("podman_socket = 1"), 1, "'podman_socket' must be a URL string"),
+    (
+        "socket-ssh",
+        doc('podman_socket = "ssh://core@node1/run/podman/podman.sock"'),
+        1,
+        "'podman_socket' cannot be ssh://: the ssh transport kvcd's podman library uses does not "
+        "check the host's key",
+    ),
     (
         "extra-table",  # what older docs said: refused, never read as the file backend
         doc('podman_socket = "unix:///x"', "[extra]", 'node_backend = "kubernetes"'),
