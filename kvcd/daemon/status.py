@@ -29,12 +29,13 @@ def _settings(root: HostRoot) -> Settings:
         return Settings()
 
 
-def _config(root: HostRoot, name: str) -> InstanceConfig | None:
-    """The instance's config (None: it cannot be read)."""
+def _config(root: HostRoot, name: str) -> tuple[InstanceConfig | None, str]:
+    """The instance's config, or None and why it cannot be used (a daemon would refuse it:
+    ConfigInvalid, naming the file and line)."""
     try:
-        return load_instance(root, name)
-    except ConfigError:
-        return None
+        return load_instance(root, name), ""
+    except ConfigError as exc:
+        return None, str(exc)
 
 
 # What status says of an instance without a usable record (never started, or damaged); a
@@ -68,6 +69,7 @@ def _cap(on: bool, detail: str = "") -> dict[str, Any]:
 def capabilities(
     root: HostRoot,
     name: str,
+    cfg: InstanceConfig | None,
     settings: Settings,
     running: bool,
     importer: pylibs.Importer = pylibs.locate,
@@ -94,7 +96,6 @@ def capabilities(
         )
     psutil = pylibs.import_error(pylibs.PSUTIL, importer)
     out["holders"] = _cap(True) if psutil is None else _cap(False, f"psutil: {psutil}")
-    cfg = _config(root, name)
     expects = None if cfg is None else bool(cfg.expect_links)
     links = files.read_json(root.links_note(name)) if running else None
     if expects is False:
@@ -185,6 +186,7 @@ def _processes(root: HostRoot, module: str) -> list[str]:
 
 def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     names = known_names(root)
+    unknown = only is not None and only not in names  # neither configured nor recorded
     if only is not None:
         names = [only]
     current_boot = boot_id(root)
@@ -199,6 +201,10 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
             rec = Record.load(root, name)
         except OSError as exc:  # damaged, not a regular file, unreadable: say so, show the rest
             out.append(_unreadable(name, exc))
+            continue
+        if unknown:  # a mistyped name: said, and kvcd status exits 1
+            out.append({**_unknown(name, "", "no such instance (not configured, no record)"),
+                        "absent": True})  # fmt: skip
             continue
         entry: dict[str, Any] = rec.to_json() if rec else _unknown(name, "", "never started")
         live: dict[str, Any] = {}
@@ -227,29 +233,38 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         entry["node_keys"] = f"{prefix}/{stem(name)}.*"
         stale = rec is not None and rec.boot_id is not None and rec.boot_id != current_boot
         entry["stale"] = stale
-        loaded = [m for m, v in live.items() if v["loaded"]]
-        problems = []
-        if stale:
-            problems.append("recorded during an earlier boot")
-        # Done with "no device" (device gating) means idle on purpose: nothing should be loaded.
-        idle = rec is not None and rec.reason == "no device"
-        if (
-            rec
-            and rec.goal == "loaded"
-            and rec.state == "Done"
-            and len(loaded) != len(live)
-            and not idle
-        ):
-            missing = sorted(set(live) - set(loaded))
-            problems.append(f"recorded Done but not loaded now: {', '.join(missing)}")
-        if rec and rec.goal == "unloaded" and loaded:
-            problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
+        problems = _disagreements(rec, live, stale)
+        cfg, config_error = _config(root, name)
+        if config_error:  # what a start or a reload would refuse, before one says so
+            problems.append(f"config not usable: {config_error}")
         entry["warnings"] = problems
         _runtime_notes(root, name, entry, problems, may_exist)
         running = _running(root, name, may_exist)
-        entry["capabilities"] = capabilities(root, name, settings, running, importer)
+        entry["capabilities"] = capabilities(root, name, cfg, settings, running, importer)
         out.append(entry)
     return out
+
+
+def _disagreements(rec: Record | None, live: dict[str, dict[str, Any]], stale: bool) -> list[str]:
+    """Where the record and the node disagree now (`kvcd status` warns)."""
+    loaded = [m for m, v in live.items() if v["loaded"]]
+    problems = []
+    if stale:
+        problems.append("recorded during an earlier boot")
+    # Done with "no device" (device gating) means idle on purpose: nothing should be loaded.
+    idle = rec is not None and rec.reason == "no device"
+    if (
+        rec
+        and rec.goal == "loaded"
+        and rec.state == "Done"
+        and len(loaded) != len(live)
+        and not idle
+    ):
+        missing = sorted(set(live) - set(loaded))
+        problems.append(f"recorded Done but not loaded now: {', '.join(missing)}")
+    if rec and rec.goal == "unloaded" and loaded:
+        problems.append(f"recorded unloaded but loaded now: {', '.join(loaded)}")
+    return problems
 
 
 def _firmware(root: HostRoot) -> Callable[[str], dict[str, Any] | None]:
@@ -370,8 +385,9 @@ def _runtime_note(
 
 
 def failed(entries: list[dict[str, Any]]) -> bool:
-    """True when some instance's record could not be read (`kvcd status` exits 1)."""
-    return any(e.get("unreadable") for e in entries)
+    """True when some instance's record could not be read, or the one asked for does not
+    exist (`kvcd status` exits 1)."""
+    return any(e.get("unreadable") or e.get("absent") for e in entries)
 
 
 def render_attempt(attempt: dict[str, Any]) -> str:

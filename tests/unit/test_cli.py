@@ -158,6 +158,32 @@ def test_status_says_when_the_goal_was_to_unload(
     assert "warning" not in out
 
 
+def test_status_of_a_name_no_instance_has_says_so_and_fails(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped name is not an instance that was never started."""
+    fakehost.write_config(root, "e2e", GOOD)
+    assert run(root, "status", "e2x") == 1
+    out = capsys.readouterr().out
+    assert out.startswith("e2x: Unknown\n  reason: no such instance (not configured, no record)\n")
+    assert run(root, "status", "e2x", "--json") == 1
+    entry = json.loads(capsys.readouterr().out)["instances"][0]
+    assert (entry["state"], entry["code"], entry["absent"]) == ("Unknown", "", True)
+    assert run(root, "status", "e2e") == 0
+
+
+def test_status_warns_of_a_config_a_start_would_refuse(
+    root: HostRoot, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fakehost.write_config(root, "e2e", GOOD + "modlues = []\n")
+    assert run(root, "status", "e2e") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("e2e: Unknown\n  reason: never started\n"), out
+    path = root.instance_dirs()[0] / "e2e.toml"
+    assert f"  warning: config not usable: {path}:" in out
+    assert "unknown key 'modlues'" in out
+
+
 def test_status_json_says_never_started_with_an_empty_code(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
