@@ -23,6 +23,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,7 +223,7 @@ def parse_settings_toml(path: Path | str, text: str) -> Settings:
         "drift_interval": rules.valid_drift_interval,
         "module_tree": lambda v, k: rules.valid_choice(v, k, rules.MODULE_TREES),
         "metrics_dir": rules.valid_directory,
-        "sign_key": rules.valid_key_path,
+        "sign_key": partial(rules.valid_abs_path, secret=True),
         "sign_cert": rules.valid_abs_path,
         "sign_hash": lambda v, k: rules.valid_choice(v, k, rules.SIGN_HASHES),
         "inhibit_reboot": rules.valid_bool,

@@ -395,20 +395,15 @@ def valid_podman_socket(value: object, label: str) -> str:
         host = url.hostname
     except ValueError:
         raise Invalid(f"'{label}' is not a valid URL, got {show(value)}") from None
-    if url.scheme == "unix" and not url.netloc and url.path.startswith("/"):
+    if (url.scheme == "unix" and not url.netloc and url.path.startswith("/")) or (
+        url.scheme == "tcp" and host
+    ):
         return value
-    if url.scheme == "ssh":
-        # podman-py's ssh transport turns host key checking off (a host that is not the build
-        # host could hand kvcd the modules it loads), and kvcd@.service's ProtectHome=yes
-        # hides root's keys from it.
+    if url.scheme == "ssh":  # a host that is not the build host could hand kvcd its modules
         raise Invalid(
-            f"'{label}' cannot be ssh://: the ssh transport kvcd's podman library uses does not "
-            "check the host's key, and kvcd@.service hides root's ~/.ssh; forward the remote "
-            "socket to a local one (ssh -L) and give its unix:// path, got "
-            f"{show(value)}"
+            f"'{label}' cannot be ssh:// (podman-py's ssh does not check the host's key, and "
+            f"kvcd@.service hides ~/.ssh): forward it to a unix socket (ssh -L), got {show(value)}"
         )
-    if url.scheme == "tcp" and host:
-        return value
     raise Invalid(f"'{label}' must be unix:///absolute/path or tcp://host:port, got {show(value)}")
 
 
@@ -444,18 +439,13 @@ def valid_node_name(value: object, label: str) -> str:
 
 
 def valid_abs_path(value: object, label: str, *, secret: bool = False) -> str:
-    """An absolute path (or ""); a `secret` one (the signing key's) is not repeated in the
-    error, which reaches the journal: the error names its file and line."""
+    """An absolute path (or ""); a `secret` one (sign_key's) is not repeated in the error."""
     if isinstance(value, str) and (
         value == "" or (value.startswith("/") and not has_control(value))
     ):
         return value
     got = "" if secret and isinstance(value, str) else f", got {show(value)}"
     raise Invalid(f"'{label}' must be an absolute path{got}")
-
-
-def valid_key_path(value: object, label: str) -> str:
-    return valid_abs_path(value, label, secret=True)
 
 
 def valid_directory(value: object, label: str) -> str:

@@ -13,12 +13,9 @@ from kvcd.config.rules import KVC_GLOBAL
 from kvcd.core import owners, state
 from kvcd.core.state import StepFailed
 from kvcd.daemon.images import archive_problem
-from kvcd.daemon.instance import Instance, held_modules
+from kvcd.daemon.instance import Instance, config_checks, held_modules
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import KernelUnknown, running_kernel
-from kvcd.daemon.signing import unsigned_by_library
-from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import regauth
 from kvcd.host.paths import HostRoot
 from kvcd.host.pylibs import check_settings, locate
 
@@ -77,8 +74,7 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     root = node.root
     try:
         cfg = node.config(name)
-        check_upgrade_label(cfg, settings)
-        regauth.check(root, cfg, settings)
+        checked = config_checks(root, cfg, settings)
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
         return False
@@ -87,8 +83,7 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
         print(f"{name}: INVALID: {problem}")
         return False
     print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
-    unsigned = unsigned_by_library(cfg, settings)
-    for line in [*warnings, *([unsigned] if unsigned else [])]:
+    for line in [*warnings, *checked]:
         print(f"  warning: {line}")
     print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
     if not kernel:

@@ -300,6 +300,21 @@ def _enter(
     return record
 
 
+def config_checks(root: HostRoot, cfg: InstanceConfig, settings: Settings) -> list[str]:
+    """What a start refuses of an instance's config beyond its own file (ConfigError: an
+    upgrade label under kvcd's own prefix, registry credentials it cannot use), and what it
+    warns of (kvcd.toml's signing, which a KVC library instance does not get). The daemon and
+    check-config alike."""
+    from kvcd.daemon.signing import unsigned_by_library
+    from kvcd.daemon.upgrade import check_upgrade_label
+    from kvcd.host import regauth
+
+    check_upgrade_label(cfg, settings)
+    regauth.check(root, cfg, settings)
+    unsigned = unsigned_by_library(cfg, settings)
+    return [unsigned] if unsigned else []
+
+
 def holders(root: HostRoot, name: str) -> dict[str, list[str]]:
     """The other instances' modules they hold now (see held_modules)."""
     return {other: mods for other, mods in held_modules(root).items() if other != name}

@@ -29,12 +29,10 @@ from kvcd.core.attempts import Attempt
 from kvcd.core.state import Backoff, StepFailed
 from kvcd.daemon import control, extensions, storegc
 from kvcd.daemon.events import HOLD, LOAD, SKIP, Context, Event, Extension, Mailbox, Verdict
-from kvcd.daemon.instance import Instance, record_failure
+from kvcd.daemon.instance import Instance, config_checks, record_failure
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record, status_text
-from kvcd.daemon.signing import unsigned_by_library
-from kvcd.daemon.upgrade import check_upgrade_label
-from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs, regauth
+from kvcd.host import failpoint, files, heap, interrupt, journal, procs, pylibs
 from kvcd.host.paths import HostRoot
 from kvcd.host.systemd import EXTEND_USEC, Keepalive, Notifier
 
@@ -150,11 +148,8 @@ class Service:
             root = host_for(self.root, settings)
             self.cfg = load_instance(self.root, self.name)
             journal.stamp(KVCD_KERNEL=self.kernel, KVCD_VERSION=self.cfg.version)
-            check_upgrade_label(self.cfg, settings)
-            regauth.check(self.root, self.cfg, settings)
-            unsigned = unsigned_by_library(self.cfg, settings)
-            if unsigned:
-                log.warning("%s", unsigned, extra=self.fields)
+            for warning in config_checks(self.root, self.cfg, settings):
+                log.warning("%s", warning, extra=self.fields)
         except ConfigError as exc:
             self.config_invalid = True
             log.error(

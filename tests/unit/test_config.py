@@ -857,8 +857,8 @@ BAD_SETTINGS = [
         "socket-ssh",
         doc('podman_socket = "ssh://core@node1/run/podman/podman.sock"'),
         1,
-        "'podman_socket' cannot be ssh://: the ssh transport kvcd's podman library uses does not "
-        "check the host's key",
+        "'podman_socket' cannot be ssh:// (podman-py's ssh does not check the host's key, and "
+        'kvcd@.service hides ~/.ssh): forward it to a unix socket (ssh -L), got "ssh://',
     ),
     (
         "extra-table",  # what older docs said: refused, never read as the file backend
