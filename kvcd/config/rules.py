@@ -356,8 +356,8 @@ def valid_param_value(value: object, label: str) -> str:
         )
     if any(c.isspace() for c in value) or '"' in value or has_control(value):
         raise Invalid(
-            f"'{label}' must not contain whitespace, quotes or control characters (modprobe "
-            f"gets each parameter as one name=value argument), got {show(value)}"
+            f"'{label}' must not contain whitespace, double quotes or control characters "
+            f"(modprobe gets each parameter as one name=value argument), got {show(value)}"
         )
     return value
 

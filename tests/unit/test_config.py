@@ -485,7 +485,7 @@ BAD_TOML = [
         "param-value-quote",
         doc(*HEAD, "[params.kvcd_user]", "greeting = 'a\"b'"),
         5,
-        "must not contain whitespace, quotes or control characters",
+        "must not contain whitespace, double quotes or control characters",
     ),
     (
         "param-value-float",
