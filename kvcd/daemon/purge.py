@@ -42,7 +42,7 @@ from kvcd.core.state import StepFailed
 from kvcd.daemon import driftstore, metrics
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record, boot_id, known_names, recorded_names
-from kvcd.host import files, kmod, modtree, procs, sysmodule
+from kvcd.host import files, kmod, modindex, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.node.keys import Keys, stem
 
@@ -133,6 +133,22 @@ def _files(root: HostRoot, settings: Settings, name: str) -> list[Path]:
     return out
 
 
+def _preflight(root: HostRoot, settings: Settings, name: str) -> None:
+    """Refused when a directory the purge would remove from, remove or index (the store, the
+    state and runtime directories, each kernel's module tree) is a symlink or no directory in
+    kvcd's own directories: nothing is removed or written through it, outside them."""
+    dirs = {root.store(name), *(p.parent for p in _files(root, settings, name))}
+    with suppress(FileNotFoundError, NotADirectoryError):
+        dirs.update(k / top for k in root.kernel_dirs.iterdir() for top in modindex.OWN_DIRS)
+    for d in sorted(dirs):
+        try:
+            files.check_own_dirs(d)
+        except FileNotFoundError:  # nothing there to remove (what is above it was checked)
+            continue
+        except files.Refused as exc:
+            raise Refused(f"{exc}, not kvcd's own directory: remove it yourself") from None
+
+
 def _firmware(root: HostRoot, name: str) -> str | None:
     """Its firmware files that no other instance ships, and its place in the owners table;
     why not, when they stay."""
@@ -214,8 +230,7 @@ def purge(root: HostRoot, name: str, podman: Callable[[], PodmanApi] | None = No
     settings = load_settings(root)
     root = host_for(root, settings)
     store = root.store(name)
-    if store.is_symlink():
-        raise Refused(f"{store} is a symlink, not kvcd's store; remove it yourself")
+    _preflight(root, settings, name)
     _stop_daemon(root, name)
     rec = Record.read(root, name)
     _unload(root, settings, name, rec, podman)

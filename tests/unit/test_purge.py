@@ -200,6 +200,42 @@ def test_a_store_that_is_a_symlink_is_refused(host: HostRoot, tmp_path: Path) ->
     assert elsewhere.is_dir()
 
 
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "var/lib/kvcd/store",
+        "var/lib/kvcd/drift",
+        "run/kvcd/metrics",
+        f"var/lib/kvcd/modules/lib/modules/{K}",
+        "var/lib/kvcd/modules/lib/modules",
+        f"var/lib/kvcd/modules/lib/modules/{K}/extra",
+    ],
+)
+def test_a_directory_of_kvcds_that_is_a_symlink_refuses_the_purge_and_nothing_goes(
+    host: HostRoot, tmp_path: Path, planted: str
+) -> None:
+    """What the RPM's erase runs (purge --all: the config gone, the record kept): a symlink
+    planted for one of kvcd's directories must not lead a removal (or depmod's index) out of
+    them. The purge is refused before anything is removed, the other side untouched."""
+    load(host, Pod(host, K), "e2e")
+    (host.instance_dirs()[0] / "e2e.toml").unlink()  # as `purge --all` meets it
+    link = host.root / planted
+    victim = tmp_path / "victim"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists():
+        link.rename(victim)  # what kvcd had there, now outside its directories
+    victim.mkdir(exist_ok=True)
+    for name in ("e2e", "e2e.json", "kvcd-e2e.prom", "e2e.json.damaged-1"):
+        if not os.path.lexists(victim / name):  # names purge removes, were it led here
+            (victim / name).mkdir() if name == "e2e" else (victim / name).touch()
+    before = sorted(str(p.relative_to(victim)) for p in victim.rglob("*"))
+    link.symlink_to(victim)
+    with pytest.raises(pg.Refused, match=rf"{link}: is a symlink, not kvcd's own directory"):
+        pg.purge(host, "e2e", podman=lambda: Pod(host, K))
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == before
+    assert Record.read(host, "e2e") is not None  # nothing removed on this side either
+
+
 def test_podman_unreachable_leaves_the_images_said_and_a_second_purge_finishes(
     host: HostRoot, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
