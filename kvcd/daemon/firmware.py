@@ -80,7 +80,7 @@ def read_owners(root: HostRoot) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     for name, raw in table.items():
         entry = _entry(raw)
-        if entry is None or not store.firmware_name(name):
+        if entry is None or not store.tree_name(name):
             raise files.Damaged(path, f"has a bad entry for {name!r}")
         out[name] = entry
     return out
@@ -183,7 +183,7 @@ def extract(podman: PodmanApi, tag: str, path_in_image: str, tree: Path) -> dict
     out: dict[str, str] = {}
     for path in found:
         name = path.relative_to(dest).as_posix()
-        if not store.firmware_name(name):
+        if not store.tree_name(name):
             raise PodmanError(f"{tag}:{path_in_image}: refusing firmware file name {name!r}")
         out[name] = store.digest(path)
     return out

@@ -11,10 +11,13 @@ import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcd.host import files
 from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:  # typing.TypeGuard: Python 3.10
+    from typing import TypeGuard
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class Manifest:
             return None
         firmware = data.get("firmware", {})
         if not isinstance(firmware, dict) or not all(
-            firmware_name(k) and isinstance(v, str) for k, v in firmware.items()
+            tree_name(k) and isinstance(v, str) for k, v in firmware.items()
         ):
             return None
         modules = {}
@@ -111,9 +114,10 @@ class Manifest:
         return cls(version, kernel, image, modules, weak, firmware)  # type: ignore[arg-type]
 
 
-def firmware_name(name: object) -> bool:
-    """A firmware file's name as the kernel asks for it: relative, no '.' or '..' part, no
-    control character (it is a path under the firmware directory, and a journal field)."""
+def tree_name(name: object) -> TypeGuard[str]:
+    """A file's name in a store tree (a module file) or under the firmware directory (as the
+    kernel asks for it): relative, no '.' or '..' part, no control character (a path under
+    the tree, and a journal field)."""
     if not isinstance(name, str) or not name or name.startswith("/") or len(name) > 255:
         return False
     parts = name.split("/")
@@ -129,7 +133,7 @@ def _module(info: object) -> StoredModule | None:
         return None
     get = info.get
     file = get("file")
-    if not isinstance(file, str):
+    if not tree_name(file):  # never a path out of the tree (absolute, '..'): a damaged manifest
         return None
     for k in _OPTIONAL_STR:
         v = get(k)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvcd.host import files
+
 SIGNATURE_MAGIC = b"~Module signature appended~\n"
 # Sizes of `struct module_signature` that precedes the magic (u8 algo, hash, id_type,
 # signer_len, key_id_len, pad[3], __be32 sig_len).
@@ -128,29 +130,44 @@ def module_name(path: Path) -> str:
     return path.name.split(".ko", 1)[0].replace("-", "_")
 
 
+# More than any kernel module (the largest GPU drivers are some 100 MiB with their symbols): a
+# bigger file, or one that decompresses to more, is read no further (a device like /dev/zero
+# named in a manifest, a decompression bomb).
+MAX_MODULE = 1 << 30
+
+
 def read_bytes(path: Path) -> bytes:
-    """The uncompressed bytes of a .ko, .ko.xz or .ko.gz file (OSError when unreadable)."""
+    """The uncompressed bytes of a .ko, .ko.xz or .ko.gz file (OSError when unreadable; a
+    symlink or a special file in kvcd's own directories is refused: files.open_module)."""
     name = path.name
     if name.endswith(".ko.zst"):
         raise ElfError(
             path, "zstd-compressed modules are not supported here (decompress with unzstd first)"
         )
-    raw = path.read_bytes()
+    with files.open_module(path) as f:
+        raw = f.read(MAX_MODULE + 1)
     if name.endswith(".ko.xz"):
         import lzma
 
+        xz = lzma.LZMADecompressor()
         try:
-            return lzma.decompress(raw)
+            raw = xz.decompress(raw, MAX_MODULE + 1)
         except lzma.LZMAError as exc:
             raise Truncated(path, f"cannot decompress: {exc}") from exc
-    if name.endswith(".ko.gz"):
-        import gzip
+        if not xz.eof and len(raw) <= MAX_MODULE:
+            raise Truncated(path, "cannot decompress: the xz stream ends early")
+    elif name.endswith(".ko.gz"):
         import zlib
 
+        gz = zlib.decompressobj(wbits=31)  # one gzip member, as kmod writes them
         try:
-            return gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as exc:
+            raw = gz.decompress(raw, MAX_MODULE + 1)
+        except zlib.error as exc:
             raise Truncated(path, f"cannot decompress: {exc}") from exc
+        if not gz.eof and len(raw) <= MAX_MODULE:
+            raise Truncated(path, "cannot decompress: the gzip stream ends early")
+    if len(raw) > MAX_MODULE:
+        raise ElfError(path, f"larger than {MAX_MODULE >> 20} MiB: not a kernel module")
     return raw
 
 

@@ -159,6 +159,11 @@ def _must_be_regular(fd: int, path: Path) -> None:
         raise Refused(path, describe(mode))
 
 
+def _is_own(directory: Path) -> bool:
+    chain = _own_chain(directory)
+    return len(chain) > 1 or str(chain[0]).endswith(OWN_DIRS)
+
+
 def check_own_dirs(directory: Path) -> None:
     """Refused when a directory from kvcd's own base directory down to `directory` is a symlink
     or not a directory: a reader, or a removal, must not be led out of kvcd's directories any
@@ -187,6 +192,13 @@ def open_input(path: Path) -> BinaryIO:
     open for reading: FileNotFoundError when it does not exist, Refused for a directory or a
     special file, without blocking on a FIFO."""
     return _as_regular(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), path)
+
+
+def open_module(path: Path) -> BinaryIO:
+    """A kernel module file, open for reading: in kvcd's own directories (its store) as
+    open_regular (no symlink), elsewhere (a file an admin names, a kernel's tree) as
+    open_input; never blocking on a FIFO."""
+    return open_regular(path) if _is_own(path.parent) else open_input(path)
 
 
 def _as_regular(fd: int, path: Path) -> BinaryIO:

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
+from kvcd.host import elf, files
 from kvcd.host.kmod import (
     ModinfoError,
     last_line,
@@ -21,15 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def _open_module(path: Path) -> BinaryIO:
-    if path.name.endswith(".ko.xz"):
-        import lzma
-
-        return io.BytesIO(lzma.decompress(path.read_bytes()))
-    if path.name.endswith(".ko.gz"):
-        import gzip
-
-        return io.BytesIO(gzip.decompress(path.read_bytes()))
-    return path.open("rb")
+    if path.name.endswith((".ko.xz", ".ko.gz")):
+        return io.BytesIO(elf.read_bytes(path))  # decompressed, within elf.MAX_MODULE
+    return files.open_module(path)
 
 
 # Keys `modinfo` adds from the signature trailer; they are not in .modinfo.
@@ -80,8 +75,6 @@ def modinfo(path: Path) -> dict[str, list[str]]:
     if path.name.endswith(".ko.zst"):
         return _modinfo_command(path)
     # Imported here: pyelftools costs ~45 ms, and `kvcd status` reads /sys/module only.
-    import lzma
-
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
 
@@ -91,7 +84,7 @@ def modinfo(path: Path) -> dict[str, list[str]]:
             if section is None:
                 raise ModinfoError(path, "no .modinfo section (not a kernel module?)")
             data: bytes = section.data()
-    except (OSError, EOFError, ELFError, lzma.LZMAError) as exc:
+    except (OSError, EOFError, ELFError, elf.ElfError) as exc:
         raise ModinfoError(path, str(exc)) from exc
     info: dict[str, list[str]] = {}
     for item in data.split(b"\0"):

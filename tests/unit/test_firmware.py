@@ -271,7 +271,7 @@ def test_a_damaged_owners_table_is_said_and_kept(root: HostRoot, text: str) -> N
     ],
 )
 def test_firmware_names_are_what_the_kernel_can_ask_for(name: str, ok: bool) -> None:
-    assert store.firmware_name(name) is ok
+    assert store.tree_name(name) is ok
 
 
 # --- through the instance: extracted with the modules, installed before they load ------------

@@ -321,6 +321,9 @@ def test_single_path_without_its_sibling_misses_the_symbol(
         ("arm", "drv", K, "built for aarch64, but the kernel is x86_64"),
         ("nomodversions", "drv", K, "built without CONFIG_MODVERSIONS"),
         ("notelf", "drv", K, "not an ELF file"),
+        # kvcd's own store: a FIFO is no module (and no hang), a symlink is not followed.
+        ("fifo", "drv", K, "drv_base.ko: is a FIFO"),
+        ("symlink", "drv", K, "drv_base.ko: is a symlink"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_error(
@@ -344,6 +347,13 @@ def test_bad_input_exits_2_with_a_clear_error(
         base.write_bytes(base_ko(versions=None))
     elif setup == "notelf":
         base.write_text("not a module\n")
+    elif setup == "fifo":
+        base.unlink()
+        os.mkfifo(base)
+    elif setup == "symlink":
+        base.unlink()
+        base.symlink_to(tmp_path / "elsewhere.ko")
+        (tmp_path / "elsewhere.ko").write_bytes(base_ko())
     assert daemon_kabi.kabi_command(root, target, kernel, as_json=False) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcd: kabi: ")

@@ -70,6 +70,11 @@ def test_every_field_of_a_module_lands_in_its_own_place() -> None:
         {"version": "1", "kernel": "k", "modules": {"m": {"file": "m.ko", "mode": "644"}}},
         {"version": "1", "kernel": "k", "modules": {"m": {"file": "m.ko", "mode": True}}},
         {"version": "1", "kernel": "k", "modules": {}, "weak_updates_from": None},
+        # A module file is a path in the tree, never one out of it.
+        {"version": "1", "kernel": "k", "modules": {"m": {"file": "/dev/zero"}}},
+        {"version": "1", "kernel": "k", "modules": {"m": {"file": "../other/m.ko"}}},
+        {"version": "1", "kernel": "k", "modules": {"m": {"file": "lib/../../m.ko"}}},
+        {"version": "1", "kernel": "k", "modules": {"m": {"file": ""}}},
     ],
 )
 def test_what_is_not_a_whole_manifest_is_none(tmp_path: Path, bad: object) -> None:
