@@ -98,7 +98,10 @@ class Counts:
         if data.get("buckets") != list(BUCKETS):
             raise ValueError("written with other histogram buckets")
         phases: dict[str, Histogram] = {}
-        for phase, h in (data.get("phases") or {}).items():
+        raw_phases = data.get("phases") or {}
+        if not isinstance(raw_phases, dict):
+            raise ValueError("phases are not histograms kvcd wrote")
+        for phase, h in raw_phases.items():
             counts = h.get("buckets") if isinstance(h, dict) else None
             total = h.get("sum") if isinstance(h, dict) else None
             if (
@@ -106,17 +109,31 @@ class Counts:
                 or not isinstance(counts, list)
                 or len(counts) != len(BUCKETS) + 1
                 or not all(isinstance(n, int) and n >= 0 for n in counts)
-                or not isinstance(total, (int, float))
+                or (seconds := _seconds(total)) is None
             ):
                 raise ValueError(f"phase {phase!r} is not a histogram kvcd wrote")
-            phases[phase] = Histogram(tuple(counts), float(total))
+            phases[phase] = Histogram(tuple(counts), seconds)
         counters = data.get("counters") or {}
         if not isinstance(counters, dict) or not all(
             k in COUNTERS and isinstance(v, int) and v >= 0 for k, v in counters.items()
         ):
             raise ValueError("counters are not ones kvcd wrote")
         last = data.get("last_error") or {}
-        when, code = last.get("time", 0.0), last.get("code", "")
-        if not isinstance(when, (int, float)) or not isinstance(code, str):
+        when = last.get("time", 0.0) if isinstance(last, dict) else None
+        code = last.get("code", "") if isinstance(last, dict) else None
+        at = _seconds(when)
+        if at is None or not isinstance(code, str):
             raise ValueError("last_error is not what kvcd wrote")
-        return cls(phases, dict(counters), float(when), code)
+        return cls(phases, dict(counters), at, code)
+
+
+def _seconds(value: object) -> float | None:
+    """A sum of seconds or a time kvcd wrote, as a float: finite and not negative (None for an
+    integer too big for a float, inf, NaN, or no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if 0 <= f < math.inf else None

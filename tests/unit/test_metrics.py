@@ -79,6 +79,19 @@ def test_counts_round_trip_through_json() -> None:
         (lambda d: {**d, "counters": {"cats": 1}}, "counters"),
         (lambda d: {**d, "counters": {"drift_events": -1}}, "counters"),
         (lambda d: {**d, "last_error": {"time": "noon"}}, "last_error"),
+        # Each was a traceback (exit 70 of `kvcd metrics`, the extension off in the daemon).
+        (lambda d: {**d, "phases": [1]}, "phases are not"),
+        (lambda d: {**d, "last_error": "x"}, "last_error"),
+        (lambda d: {**d, "last_error": {"time": 10**400}}, "last_error"),
+        (lambda d: {**d, "last_error": {"time": math.nan}}, "last_error"),
+        (
+            lambda d: {**d, "phases": {"build": {"buckets": [0] * 16, "sum": 10**400}}},
+            "phase 'build'",
+        ),
+        (
+            lambda d: {**d, "phases": {"build": {"buckets": [0] * 16, "sum": math.inf}}},
+            "phase 'build'",
+        ),
     ],
 )
 def test_counts_kvcd_did_not_write_are_refused(change: Any, why: str) -> None:
