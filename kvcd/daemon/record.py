@@ -297,6 +297,12 @@ def _is_str(v: object) -> bool:
     return isinstance(v, str)
 
 
+def is_time(v: object) -> bool:
+    """A wall-clock time kvcd wrote (every float a record holds is one): a number from 0 up to
+    the year 36812, so time.localtime takes it (no inf, NaN or 400-digit integer)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 << 40
+
+
 def _is_attempt(v: object) -> bool:
     if not isinstance(v, dict) or not set(v) <= set(Attempt.__dataclass_fields__):
         return False
@@ -314,7 +320,7 @@ _FIELD_TYPES: dict[str, Callable[[object], bool]] = {
     "str | None": _opt(_is_str),
     "int": _is_int,
     "int | None": _opt(_is_int),
-    "float": lambda v: _is_int(v) or isinstance(v, float),
+    "float": is_time,
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
 _FIELD_TYPES["list[str] | None"] = _opt(_FIELD_TYPES["list[str]"])

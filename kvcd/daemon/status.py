@@ -15,7 +15,7 @@ from kvcd.config.loader import load_instance, load_settings
 from kvcd.config.model import ConfigError, InstanceConfig, Settings
 from kvcd.core import attempts, state
 from kvcd.core.text import shown
-from kvcd.daemon.record import Record, boot_id, known_names, unsaved
+from kvcd.daemon.record import Record, boot_id, is_time, known_names, unsaved
 from kvcd.host import files, intree, pylibs, sysmodule
 from kvcd.host.ostreemark import is_ostree_host
 from kvcd.host.paths import HostRoot
@@ -340,11 +340,7 @@ def _runtime_notes(
     node = _runtime_note(root.node_note(name), problems, may_exist)
     if isinstance(node, dict) and isinstance(node.get("failing"), str):
         since = node.get("since")
-        when = (
-            time.strftime(" since %H:%M:%S", time.localtime(since))
-            if isinstance(since, (int, float))
-            else ""
-        )
+        when = time.strftime(" since %H:%M:%S", time.localtime(since)) if is_time(since) else ""
         then = "retrying" if node.get("retrying", True) else "not retried: kvcd run has exited"
         problems.append(f"node not updated{when}: {node['failing']}; {then}")
         entry["node_unreachable"] = node

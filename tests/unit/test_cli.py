@@ -184,6 +184,18 @@ def test_status_warns_of_a_config_a_start_would_refuse(
     assert "unknown key 'modlues'" in out
 
 
+@pytest.mark.parametrize("since", ["1e400", "NaN", "-1e300", "1" + "0" * 400, '"noon"'])
+def test_status_says_an_unreachable_node_without_a_time_no_clock_gives(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], since: str
+) -> None:
+    """The daemon's node note (a runtime file) with a time time.localtime refuses: the warning,
+    without its time (it was an OverflowError, exit 70, no instance shown)."""
+    fakehost.write_config(root, "e2e", GOOD)
+    fakehost.write(root.node_note("e2e"), f'{{"failing": "x", "since": {since}}}')
+    assert run(root, "status", "e2e") == 0
+    assert "  warning: node not updated: x; retrying\n" in capsys.readouterr().out
+
+
 def test_status_json_says_never_started_with_an_empty_code(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:

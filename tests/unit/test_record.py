@@ -7,6 +7,7 @@ A record written before the code had a field is read once by its reason's first 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def test_nothing_in_kvcd_reads_a_code_back_out_of_reason_text() -> None:
         ({"kernel": "../6.1"}, "has 'kernel' '../6.1', which is not a kernel release"),
         ({"next_kernel": "6.2 x"}, "has 'next_kernel' '6.2 x', which is not a kernel release"),
         ({"version": "../1.0"}, "has 'version' '../1.0', which is not a version"),
+        # Times no clock gives (`kvcd status` passes them to time.localtime).
+        ({"updated": math.inf}, "has 'updated' of the wrong type: inf"),
+        ({"updated": math.nan}, "has 'updated' of the wrong type: nan"),
+        ({"updated": -1.0}, "has 'updated' of the wrong type: -1.0"),
+        ({"attempt": {"outcome": "transient", "not_before": 10**400}}, "has 'attempt'"),
     ],
     ids=[
         "traversal-instance",
@@ -107,6 +113,10 @@ def test_nothing_in_kvcd_reads_a_code_back_out_of_reason_text() -> None:
         "kernel",
         "next-kernel",
         "version",
+        "updated-inf",
+        "updated-nan",
+        "updated-negative",
+        "attempt-not-before-huge",
     ],
 )
 def test_a_record_that_kvcd_would_not_have_written_is_damaged(
