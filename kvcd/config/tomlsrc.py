@@ -33,8 +33,55 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 KeyPath = tuple[str, ...]
 
 
+# More dotted parts than any key kvcd reads has (params.<module>.<name> is three): tomllib, and
+# KeyLines, take time quadratic in a key's parts (a 120 KB `a.a.a…` key took 100 s of CPU).
+MAX_KEY_PARTS = 32
+_SPECIAL = re.compile(r"[\"'#.=,\[\]{}\n]")
+
+
+def _too_deep(text: str) -> int | None:
+    """The line of the first key of more than MAX_KEY_PARTS dotted parts, or None: dots outside
+    strings and comments, counted since the last '=', ',', bracket, brace or newline (a float
+    or a date has one). Linear, and it visits only those characters and the quotes."""
+    dots, line, i = 0, 1, 0
+    while (m := _SPECIAL.search(text, i)) is not None:
+        c, i = m.group(), m.end()
+        if c == ".":
+            dots += 1
+            if dots >= MAX_KEY_PARTS:
+                return line
+        elif c == "#":
+            found = text.find("\n", i)
+            i = len(text) if found == -1 else found  # the newline is counted next
+        elif c in "\"'":
+            quote = c * 3 if text.startswith(c * 3, i - 1) else c
+            end = _string_end(text, i - 1 + len(quote), quote)
+            line += text.count("\n", i, end)
+            i = end
+        else:
+            dots = 0
+            line += c == "\n"
+    return None
+
+
+def _string_end(text: str, start: int, quote: str) -> int:
+    """Where the string opened before `start` ends (after its closing quote); a basic string's
+    escaped quote (an odd run of backslashes before it) does not end it."""
+    while (at := text.find(quote, start)) != -1:
+        before = at
+        while quote[0] == '"' and before > start and text[before - 1] == "\\":
+            before -= 1
+        if (at - before) % 2 == 0:
+            return at + len(quote)
+        start = at + 1
+    return len(text)
+
+
 def decode(path: Path | str, text: str) -> dict[str, Any]:
     """Decode TOML text; a syntax error becomes a ConfigError carrying tomllib's line."""
+    deep = _too_deep(text)
+    if deep is not None:
+        raise ConfigError(path, f"refusing: a key of more than {MAX_KEY_PARTS} dotted parts", deep)
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -15,7 +15,7 @@ from kvcd.config.loader import (
     parse_settings_toml,
 )
 from kvcd.config.model import BuildSource, ConfigError, InstanceConfig, ModuleSpec, Settings
-from kvcd.config.tomlsrc import KeyLines
+from kvcd.config.tomlsrc import KeyLines, decode
 from kvcd.host.paths import HostRoot
 from tests.fakehost import doc, write
 
@@ -151,6 +151,12 @@ def test_build_arg_values_are_inert_data(marker: Path) -> None:
 # --- bad configs: (id, text, line, exact message fragment) ----------------------------------
 
 BAD_TOML = [
+    # A key of many dotted parts costs tomllib quadratic time (120 KB took 100 s of CPU): it is
+    # refused before tomllib reads it, in a table header, a dotted key or an inline table.
+    ("deep-dotted-key", doc(*HEAD, "a." * 5000 + "b = 1"), 4, "a key of more than 32 dotted"),
+    ("deep-header", doc(*HEAD, "[" + "t." * 40 + "x]"), 4, "a key of more than 32 dotted"),
+    ("deep-quoted-key", doc(*HEAD, '"q".' * 40 + "x = 1"), 4, "a key of more than 32 dotted"),
+    ("deep-inline", doc(*HEAD, "x = { " + "a." * 40 + "b = 1 }"), 4, "a key of more than 32"),
     # Settings that would do nothing without another are refused, not ignored.
     (
         "tls-verify-without-image",
@@ -584,6 +590,25 @@ def test_toml_injection_is_refused_and_never_run(
         parse_instance_toml("foo", SRC, source)
     _expect(caught.value, SRC, line, fragment)
     assert not marker.exists()
+
+
+def test_dots_in_strings_comments_and_numbers_are_no_key_parts() -> None:
+    """Only a key's dots count: a value, a comment, a float array may hold any number."""
+    dotted = "a." * 100
+    text = doc(
+        f'modules = ["a"]  # {dotted}',
+        f"# {dotted}",
+        f'basic = "r/{dotted}x"',
+        f"literal = '{dotted}'",
+        f'escaped = "\\"{dotted}\\\\"',
+        f'multi = """\n{dotted}\n"""',
+        "floats = [" + ", ".join(["1.5"] * 100) + "]",
+        "[t.u]",
+        "v = 1",
+    )
+    got = decode(SRC, text)
+    assert got["basic"] == f"r/{dotted}x" and got["escaped"] == f'"{dotted}\\'
+    assert got["multi"] == f"{dotted}\n" and len(got["floats"]) == 100
 
 
 @pytest.mark.parametrize(
