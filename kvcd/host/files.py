@@ -414,7 +414,9 @@ def locked(path: Path) -> Iterator[None]:
     """An exclusive flock on `path` (created if needed, never through a symlink), held for the
     with-block."""
     ensure_dir(path.parent)
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK, O_NOCTTY: a FIFO or a terminal planted there is refused (below), never waited
+    # on or taken as the daemon's controlling terminal by the open itself.
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
     while True:
         try:
             fd = _open_own(path, flags)

@@ -69,6 +69,8 @@ def read(path: Path) -> dict[str, Credentials]:
         if problem:
             raise AuthFileError(f"{path}: {problem}")
         raw = os.read(fd, MAX_SIZE + 1)
+    except OSError as exc:  # a file that refuses its read (/proc/self/mem: EIO)
+        raise AuthFileError(f"{path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     if len(raw) > MAX_SIZE:

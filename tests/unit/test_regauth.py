@@ -110,6 +110,14 @@ def test_a_file_kvcd_cannot_use_is_named_without_its_secrets(
     assert "s3cret-pw" not in str(exc.value)
 
 
+def test_a_file_that_refuses_its_read_is_named() -> None:
+    """A path that opens but cannot be read (/proc/self/mem: EIO at offset 0) is an
+    AuthFileError naming it (check-config: file, line, exit 2), not a bare errno."""
+    with pytest.raises(AuthFileError) as exc:
+        regauth.read(Path("/proc/self/mem"))
+    assert str(exc.value) == "/proc/self/mem: Input/output error"
+
+
 def test_not_json_a_fifo_and_a_missing_file_are_refused_without_blocking(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{")
     (tmp_path / "bad.json").chmod(0o600)
