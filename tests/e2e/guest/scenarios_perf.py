@@ -237,6 +237,7 @@ START_IMPORTS = (
     "kvcd.cli",
     "kvcd.daemon.service",
     "kvcd.daemon.instance",
+    "kvcd.daemon.upgrade",  # the instance's checks against kvcd.toml (instance.config_checks)
     "kvcd.daemon.executor",
     "kvcd.daemon.drift",
     "kvcd.daemon.drain",
