@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from kvcd.host import failpoint
-from kvcd.host.paths import OWN_DIRS
+from kvcd.host.paths import OWN_DIRS, STORE
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +159,6 @@ def _must_be_regular(fd: int, path: Path) -> None:
         raise Refused(path, describe(mode))
 
 
-def _is_own(directory: Path) -> bool:
-    chain = _own_chain(directory)
-    return len(chain) > 1 or str(chain[0]).endswith(OWN_DIRS)
-
-
 def check_own_dirs(directory: Path) -> None:
     """Refused when a directory from kvcd's own base directory down to `directory` is a symlink
     or not a directory: a reader, or a removal, must not be led out of kvcd's directories any
@@ -195,10 +190,11 @@ def open_input(path: Path) -> BinaryIO:
 
 
 def open_module(path: Path) -> BinaryIO:
-    """A kernel module file, open for reading: in kvcd's own directories (its store) as
-    open_regular (no symlink), elsewhere (a file an admin names, a kernel's tree) as
-    open_input; never blocking on a FIFO."""
-    return open_regular(path) if _is_own(path.parent) else open_input(path)
+    """A kernel module file, open for reading, never blocking on a FIFO: in kvcd's store
+    (paths.STORE), where kvcd extracts regular files, as open_regular (no symlink); elsewhere
+    as open_input: a module tree, whose links into the store and the system's tree kvcd made
+    itself, or a file an admin names."""
+    return open_regular(path) if f"{STORE}/" in str(path) else open_input(path)
 
 
 def _as_regular(fd: int, path: Path) -> BinaryIO:

@@ -12,6 +12,7 @@ from pathlib import Path
 OWN_DIRS = ("/var/lib/kvcd", "/run/kvcd")
 """kvcd's own directories (under any root): every file in them, and every directory below
 them, is opened through kvcd/host/files.py, which refuses symlinks and special files there."""
+STORE = f"{OWN_DIRS[0]}/store"  # the extracted modules: regular files only, no link among them
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class HostRoot:
 
     def store(self, instance: str) -> Path:
         """Extracted module trees of an instance, one directory per version and kernel."""
-        return self.state / "store" / instance
+        return self(STORE) / instance
 
     @property
     def firmware_dir(self) -> Path:
