@@ -22,7 +22,7 @@ from kvcd.host.pylibs import check_settings, locate
 
 def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -> int:
     """`kvcd check-config NAME|--all [--kernel K]`: exit 0 every instance is ok, 2 some is not
-    (or kvcd.toml is not)."""
+    (or kvcd.toml is not), else 1 when the archive one would load is not there (yet)."""
 
     settings = load_settings(root)  # ConfigError: kvcd.toml, or KVC's node-wide conf
     check_settings(root, settings, locate)  # ConfigError: a setting needs a missing library
@@ -38,8 +38,7 @@ def check_config_command(root: HostRoot, names: list[str], kernel: str | None) -
         except KernelUnknown:  # offline check of a tree without /proc: validate, do not plan
             kernel = None
     node = _Node(root)
-    bad = sum(not _check_one(node, settings, name, kernel) for name in names)
-    return 2 if bad else 0
+    return max(_check_one(node, settings, name, kernel) for name in names)
 
 
 class _Node:
@@ -68,8 +67,14 @@ class _Node:
         return got
 
 
-def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> bool:
-    """check-config of one instance: its config, its modules' owner, its plan. Printed; ok?"""
+# What _check_one answers: the exit status of check-config for that instance alone.
+_OK, _NO_IMAGE, _INVALID = 0, 1, 2
+
+
+def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> int:
+    """check-config of one instance: its config, its modules' owner, its plan. Printed; _OK,
+    _INVALID (a config kvcd refuses, or no plan for this node), or _NO_IMAGE (a valid config
+    whose archive cannot be read now: the daemon waits for it, README "Air-gapped nodes")."""
 
     root = node.root
     try:
@@ -77,28 +82,28 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
         checked = config_checks(root, cfg, settings)
     except ConfigError as exc:
         print(f"{name}: INVALID: {exc}")
-        return False
+        return _INVALID
     problem, warnings = _neighbours(node, cfg)
     if problem:
         print(f"{name}: INVALID: {problem}")
-        return False
+        return _INVALID
     print(f"{name}: ok ({cfg.source}, {cfg.format} format)")
     for line in [*warnings, *checked]:
         print(f"  warning: {line}")
     print(f"  version {cfg.version}; load order: {', '.join(m.name for m in cfg.modules)}")
     if not kernel:
-        return True
+        return _OK
     inst = Instance(root, settings, cfg, kernel)
     if inst.cfg.variant is not None:
         print(f"  image variant for this node: {inst.cfg.variant}")
     if inst.no_variant is not None:
         print(f"  {name}: NO PLAN: {inst.no_variant}")
-        return False
+        return _INVALID
     try:
         planned = inst.plan("load")
     except StepFailed as exc:
         print(f"  {name}: NO PLAN: {exc}")
-        return False
+        return _INVALID
     print(f"  plan for {kernel}:")
     for line in planned.describe():
         print(f"    {line}")
@@ -106,7 +111,7 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     problem = archive_problem(planned)
     if problem:
         print(f"  {name}: NO IMAGE: {problem}")
-    return not problem
+    return _NO_IMAGE if problem else _OK
 
 
 def _neighbours(node: _Node, cfg: InstanceConfig) -> tuple[str, list[str]]:

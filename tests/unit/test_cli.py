@@ -196,6 +196,27 @@ def test_status_says_an_unreachable_node_without_a_time_no_clock_gives(
     assert "  warning: node not updated: x; retrying\n" in capsys.readouterr().out
 
 
+def test_check_config_says_no_image_for_an_archive_not_there_yet_and_exits_1(
+    root: HostRoot, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A valid config whose archive is not there (still being copied: the daemon waits for it)
+    is not a bad configuration (exit 2): NO IMAGE, exit 1; once it is there, ok."""
+    archive = tmp_path / "drv.tar"
+    fakehost.write_config(
+        root, "e2e", f'version = "1.0"\nmodules = ["kvcd_base"]\nimage_archive = "{archive}"\n'
+    )
+    assert run(root, "check-config", "e2e", "--kernel", K) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("e2e: ok (")
+    assert f"  e2e: NO IMAGE: {archive}: No such file or directory\n" in out
+    fakehost.write_config(root, "bad", "version = 1\n")
+    assert run(root, "check-config", "--all", "--kernel", K) == 2  # the worst of the two
+    capsys.readouterr()
+    (root.instance_dirs()[0] / "bad.toml").unlink()
+    archive.write_bytes(b"an archive")
+    assert run(root, "check-config", "e2e", "--kernel", K) == 0
+
+
 def test_status_json_says_never_started_with_an_empty_code(
     root: HostRoot, capsys: pytest.CaptureFixture[str]
 ) -> None:
