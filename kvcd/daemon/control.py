@@ -141,27 +141,29 @@ def wrapper(
     if cfg.kvc_lib is not None:
         env = hooks.hook_env(cfg.name, kernel, cfg.kvc_vars(), cfg.kvc_exported)
         return hooks.wrapper(cfg.kvc_lib, command, env)
+    from kvcd.config.model import Settings as Defaults
     from kvcd.daemon.variants import resolve_variant
 
+    system = Defaults.podman_socket
     if not command:
         print("kvcd: wrapper needs a command to run", file=sys.stderr)
         return 2
-    if not settings.podman_socket.startswith("unix:"):
+    if settings.podman_socket != system:
+        # podman's CLI sees the images of the system service; kvcd's are in another's, which
+        # may well be another host's (tcp://, or a socket forwarded with ssh -L): the tool
+        # would run there, or not find its image.
         print(
-            f"kvcd: wrapper: podman_socket = {settings.podman_socket!r} (kvcd.toml) is another "
-            "host's podman, which holds the driver image; the wrapper runs the tool on this "
-            "node, through a local podman socket",
+            f"kvcd: wrapper: podman_socket = {settings.podman_socket!r} (kvcd.toml) is not the "
+            f"system podman ({system}), whose images this node's podman CLI "
+            "runs: the driver image is not among them",
             file=sys.stderr,
         )
         return 2
-    # The image the daemon builds: the variant picked for this node, in the storage of the
-    # podman service kvcd talks to (--url: the podman CLI as that service's client).
-    cfg, no_variant = resolve_variant(root, settings, cfg, kernel)
+    cfg, no_variant = resolve_variant(root, settings, cfg, kernel)  # the daemon's image
     if no_variant is not None:
         print(f"kvcd: {cfg.name}: {no_variant}", file=sys.stderr)
         return 1
-    argv = ["podman", "--url", settings.podman_socket, "run", "--rm", "-i", *cfg.wrapper_args]
-    argv += [cfg.image_tag(kernel), *command]
+    argv = ["podman", "run", "--rm", "-i", *cfg.wrapper_args, cfg.image_tag(kernel), *command]
     try:
         return run_inherit(argv)
     except CommandError as exc:
