@@ -72,7 +72,10 @@ def _string_end(text: str, start: int, quote: str) -> int:
         while quote[0] == '"' and before > start and text[before - 1] == "\\":
             before -= 1
         if (at - before) % 2 == 0:
-            return at + len(quote)
+            end = at + len(quote)
+            while len(quote) == 3 and end < at + 5 and text.startswith(quote[0], end):
+                end += 1  # a multi-line string may hold one or two quotes before its last three
+            return end
         start = at + 1
     return len(text)
 

@@ -157,6 +157,9 @@ BAD_TOML = [
     ("deep-header", doc(*HEAD, "[" + "t." * 40 + "x]"), 4, "a key of more than 32 dotted"),
     ("deep-quoted-key", doc(*HEAD, '"q".' * 40 + "x = 1"), 4, "a key of more than 32 dotted"),
     ("deep-inline", doc(*HEAD, "x = { " + "a." * 40 + "b = 1 }"), 4, "a key of more than 32"),
+    # A multi-line string may end in up to five quotes: the scan is not put out of step.
+    ("deep-after-4-quotes", doc(*HEAD, 'd = """x""""', "a." * 40 + "b = 1"), 5, "more than 32"),
+    ("deep-after-5-quotes", doc(*HEAD, "d = '''x'''''", "a." * 40 + "b = 1"), 5, "more than 32"),
     # Settings that would do nothing without another are refused, not ignored.
     (
         "tls-verify-without-image",
@@ -602,6 +605,8 @@ def test_dots_in_strings_comments_and_numbers_are_no_key_parts() -> None:
         f"literal = '{dotted}'",
         f'escaped = "\\"{dotted}\\\\"',
         f'multi = """\n{dotted}\n"""',
+        'quoted = """He said "hi""""',
+        f'after = "{dotted}"',
         "floats = [" + ", ".join(["1.5"] * 100) + "]",
         "[t.u]",
         "v = 1",
