@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import io
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -149,26 +149,37 @@ def read_bytes(path: Path) -> bytes:
     if name.endswith(".ko.xz"):
         import lzma
 
-        xz = lzma.LZMADecompressor()
-        try:
-            raw = xz.decompress(raw, MAX_MODULE + 1)
-        except lzma.LZMAError as exc:
-            raise Truncated(path, f"cannot decompress: {exc}") from exc
-        if not xz.eof and len(raw) <= MAX_MODULE:
-            raise Truncated(path, "cannot decompress: the xz stream ends early")
+        raw = _decompressed(path, raw, lzma.LZMADecompressor, lzma.LZMAError, "xz")
     elif name.endswith(".ko.gz"):
         import zlib
 
-        gz = zlib.decompressobj(wbits=31)  # one gzip member, as kmod writes them
-        try:
-            raw = gz.decompress(raw, MAX_MODULE + 1)
-        except zlib.error as exc:
-            raise Truncated(path, f"cannot decompress: {exc}") from exc
-        if not gz.eof and len(raw) <= MAX_MODULE:
-            raise Truncated(path, "cannot decompress: the gzip stream ends early")
+        raw = _decompressed(path, raw, lambda: zlib.decompressobj(wbits=31), zlib.error, "gzip")
     if len(raw) > MAX_MODULE:
         raise ElfError(path, f"larger than {MAX_MODULE >> 20} MiB: not a kernel module")
     return raw
+
+
+def _decompressed(
+    path: Path, raw: bytes, new: Callable[[], Any], error: type[Exception], kind: str
+) -> bytes:
+    """`raw` decompressed, every stream of it (a file may be several concatenated, as gzip and
+    xz both allow), up to one byte past MAX_MODULE; Truncated when a stream ends early. What
+    follows the last stream and is none (padding) is ignored, as lzma.decompress does."""
+    out = bytearray()
+    while raw and len(out) <= MAX_MODULE:
+        stream = new()
+        try:
+            out += stream.decompress(raw, MAX_MODULE + 1 - len(out))
+        except error as exc:
+            if out:  # after a whole stream: padding, not a module's part
+                break
+            raise Truncated(path, f"cannot decompress: {exc}") from exc
+        if len(out) > MAX_MODULE:
+            break
+        if not stream.eof:
+            raise Truncated(path, f"cannot decompress: the {kind} stream ends early")
+        raw = stream.unused_data
+    return bytes(out)
 
 
 def read_module_abi(

@@ -212,6 +212,16 @@ def test_compressed(tmp_path: Path, suffix: str) -> None:
     assert abi.path.name == "my-mod" + suffix
 
 
+@pytest.mark.parametrize("suffix", [".ko.xz", ".ko.gz"])
+def test_compressed_in_several_streams_is_read_whole(tmp_path: Path, suffix: str) -> None:
+    """gzip and xz both allow concatenated streams (gzip, zeros after them): all of the module
+    is read, not its first stream's part (its signature trailer is at the end)."""
+    raw = Ko().build()
+    pack = lzma.compress if suffix == ".ko.xz" else gzip.compress
+    data = pack(raw[:100]) + pack(raw[100:]) + (b"\0" * 8 if suffix == ".ko.gz" else b"")
+    assert elf.read_bytes(write(tmp_path, data, "my-mod" + suffix)) == raw
+
+
 def test_name_falls_back_to_file_name(tmp_path: Path) -> None:
     ko = Ko(modinfo="vermagic=6.1.0-56-amd64 SMP \0")
     assert elf.read_module_abi(write(tmp_path, ko.build(), "my-mod.ko")).name == "my_mod"
