@@ -22,11 +22,12 @@ from kvcd.host.paths import HostRoot
 from kvcd.node.keys import stem
 
 
-def _settings(root: HostRoot) -> Settings:
+def _settings(root: HostRoot) -> tuple[Settings, str]:
+    """kvcd.toml's settings, or the defaults and why it cannot be used (every start refuses)."""
     try:
-        return load_settings(root)
-    except ConfigError:
-        return Settings()
+        return load_settings(root), ""
+    except ConfigError as exc:
+        return Settings(), str(exc)
 
 
 def _config(root: HostRoot, name: str) -> tuple[InstanceConfig | None, str]:
@@ -190,7 +191,7 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
     if only is not None:
         names = [only]
     current_boot = boot_id(root)
-    settings = _settings(root)
+    settings, settings_error = _settings(root)
     prefix = settings.annotation_prefix
     importer = _remembered(pylibs.locate)
     may_exist = _runtime_files(root)
@@ -235,8 +236,9 @@ def collect(root: HostRoot, only: str | None = None) -> list[dict[str, Any]]:
         entry["stale"] = stale
         problems = _disagreements(rec, live, stale)
         cfg, config_error = _config(root, name)
-        if config_error:  # what a start or a reload would refuse, before one says so
-            problems.append(f"config not usable: {config_error}")
+        for error in (settings_error, config_error):  # what a start would refuse (ConfigInvalid)
+            if error:
+                problems.append(f"config not usable: {error}")
         entry["warnings"] = problems
         _runtime_notes(root, name, entry, problems, may_exist)
         running = _running(root, name, may_exist)

@@ -182,6 +182,11 @@ def test_status_warns_of_a_config_a_start_would_refuse(
     path = root.instance_dirs()[0] / "e2e.toml"
     assert f"  warning: config not usable: {path}:" in out
     assert "unknown key 'modlues'" in out
+    fakehost.write_config(root, "e2e", GOOD)
+    fakehost.write(root.main_config, "frobnicate = 1\n")  # not the defaults in silence
+    assert run(root, "status", "e2e") == 0
+    out = capsys.readouterr().out
+    assert f"  warning: config not usable: {root.main_config}:1: unknown key 'frobnicate'" in out
 
 
 @pytest.mark.parametrize("since", ["1e400", "NaN", "-1e300", "1" + "0" * 400, '"noon"'])
