@@ -42,7 +42,7 @@ from kvcd.core.state import StepFailed
 from kvcd.daemon import driftstore, metrics
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import Record, boot_id, known_names, recorded_names
-from kvcd.host import files, kmod, modindex, modtree, procs, sysmodule
+from kvcd.host import files, kmod, modtree, procs, sysmodule
 from kvcd.host.paths import HostRoot
 from kvcd.node.keys import Keys, stem
 
@@ -139,7 +139,10 @@ def _preflight(root: HostRoot, settings: Settings, name: str) -> None:
     kvcd's own directories: nothing is removed or written through it, outside them."""
     dirs = {root.store(name), *(p.parent for p in _files(root, settings, name))}
     with suppress(FileNotFoundError, NotADirectoryError):
-        dirs.update(k / top for k in root.kernel_dirs.iterdir() for top in modindex.OWN_DIRS)
+        for k in root.kernel_dirs.iterdir():
+            dirs.add(k / "extra")
+            if not (k / modtree.WEAK_UPDATES).is_symlink():  # an older kvcd's mirror: not walked
+                dirs.add(k / modtree.WEAK_UPDATES)
     for d in sorted(dirs):
         try:
             files.check_own_dirs(d)

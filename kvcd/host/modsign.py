@@ -95,7 +95,7 @@ def is_signed(path: Path) -> bool:
 
 
 def _has_trailer(path: Path) -> bool:
-    with open(path, "rb") as f:
+    with files.open_module(path) as f:  # a regular file (in the store, no link), no FIFO wait
         f.seek(0, os.SEEK_END)
         if f.tell() < len(MAGIC):
             return False
@@ -108,8 +108,11 @@ def signature(path: Path) -> Signature | None:
     uncompressed .ko without the trailer: known without running modinfo)."""
     from kvcd.host.run import CommandError, run
 
-    if path.name.endswith(".ko") and not _has_trailer(path):
-        return None
+    if path.name.endswith(".ko"):
+        if not _has_trailer(path):
+            return None
+    else:
+        files.open_module(path).close()  # modinfo is not led to a FIFO or a link in the store
     try:
         out = run(["modinfo", "--", str(path)]).stdout
     except CommandError:

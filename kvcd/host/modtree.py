@@ -381,9 +381,10 @@ def link_weak_updates(root: HostRoot, kernel: str, instance: str, store_dir: Pat
 
 
 def unlink_weak_updates(root: HostRoot, kernel: str, instance: str) -> Path | None:
-    """Remove ``weak-updates/<instance>`` for `kernel` (idempotent); return its old target."""
+    """Remove ``weak-updates/<instance>`` for `kernel` (idempotent); return its old target.
+    None, and nothing removed, where weak-updates/ is an older kvcd's link to the system's."""
     link = weak_link(root, kernel, instance)
-    if not link.parent.is_dir():
+    if link.parent.is_symlink() or not link.parent.is_dir():
         return None
     with tree_lock(root):
         previous = weak_updates_store(root, kernel, instance)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcd.host import modsign
+from kvcd.host import files, modsign
 from kvcd.host.paths import HostRoot
 from tests.integration import kmods
 
@@ -244,3 +244,17 @@ def test_signing_settings_are_checked(tmp_path: Path, keypair: tuple[Path, Path]
             "sign_key",
             "sign_key is owned by uid 1000, not by root: chown root it",
         )
+
+
+@pytest.mark.parametrize("name", ["m.ko", "m.ko.xz"])
+def test_a_fifo_in_the_store_is_refused_before_any_read_waits_on_it(
+    tmp_path: Path, name: str
+) -> None:
+    """The check before each load reads the module's signature: a FIFO planted in the store is
+    refused (files.Refused, an OSError the step reports) instead of hanging the daemon, and
+    modinfo is never handed it."""
+    tree = HostRoot(tmp_path).store("e2e") / "1.0" / "6.1.0"
+    tree.mkdir(parents=True)
+    os.mkfifo(tree / name)
+    with pytest.raises(files.Refused, match=f"{name}: is a FIFO"):
+        modsign.signature(tree / name)

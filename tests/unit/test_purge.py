@@ -236,6 +236,21 @@ def test_a_directory_of_kvcds_that_is_a_symlink_refuses_the_purge_and_nothing_go
     assert Record.read(host, "e2e") is not None  # nothing removed on this side either
 
 
+def test_an_older_kvcds_weak_updates_mirror_link_does_not_stop_the_purge(
+    host: HostRoot, tmp_path: Path
+) -> None:
+    """An older kvcd linked weak-updates/ to the system's; a kernel never prepared again keeps
+    that link. The purge goes on (what `rpm -e` runs), and removes nothing through it."""
+    load(host, Pod(host, K), "e2e")
+    system_weak = tmp_path / "system-weak-updates"
+    (system_weak / "e2e").mkdir(parents=True)  # even a name like the instance's stays
+    old = host.kernel_dirs / "6.1.0-1-amd64"
+    (old / "extra").mkdir(parents=True)
+    (old / "weak-updates").symlink_to(system_weak)
+    assert pg.purge(host, "e2e", podman=lambda: Pod(host, K)) == []
+    assert (system_weak / "e2e").is_dir() and (old / "weak-updates").is_symlink()
+
+
 def test_podman_unreachable_leaves_the_images_said_and_a_second_purge_finishes(
     host: HostRoot, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
