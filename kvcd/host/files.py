@@ -98,11 +98,13 @@ def _own_chain(directory: Path) -> list[Path]:
     text = str(directory)
     for own in OWN_DIRS:
         at = text.find(own)
+        # The first place it is a whole path part: a root of /srv/var/lib/kvcd-test holds the
+        # text before the real one.
+        while at != -1 and at + len(own) != len(text) and text[at + len(own)] != "/":
+            at = text.find(own, at + 1)
         if at == -1:
             continue
         end = at + len(own)
-        if end != len(text) and text[end] != "/":
-            continue
         base = Path(text[:end])
         rest = Path(text[end:].lstrip("/"))
         chain = [base]

@@ -386,3 +386,24 @@ def test_only_dead_writers_temporaries_are_swept(
 
 def test_a_sweep_of_a_missing_directory_removes_nothing(tmp_path: Path) -> None:
     assert files.sweep_dead_writers(tmp_path / "absent") == 0
+
+
+@pytest.mark.parametrize("root_dir", ["srv/var/lib/kvcd-test", "srv/run/kvcd.d"])
+def test_a_root_whose_path_starts_like_an_own_directory_keeps_its_checks(
+    tmp_path: Path, root_dir: str
+) -> None:
+    """--root /srv/var/lib/kvcd-test: the own directory is the one below the root, not the text
+    of the root's own path (the checks were off there)."""
+    root = HostRoot(tmp_path / root_dir)
+    store = root.store("e2e")
+    store.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "1.0").mkdir(parents=True)
+    os.symlink(elsewhere, store)
+    with pytest.raises(files.Refused, match=f"^{store}: is a symlink$"):
+        files.check_own_dirs(store / "1.0")
+    pid = root.pid_file("e2e")  # under /run/kvcd
+    pid.parent.parent.mkdir(parents=True)
+    os.symlink(elsewhere, pid.parent)
+    with pytest.raises(files.Refused, match=f"^{pid.parent}: is a symlink$"):
+        files.write_json(pid, {"a": 1})
