@@ -16,6 +16,7 @@ from kvcd.daemon.images import archive_problem
 from kvcd.daemon.instance import Instance, config_checks, held_modules
 from kvcd.daemon.observe import host_for
 from kvcd.daemon.record import KernelUnknown, running_kernel
+from kvcd.host import files
 from kvcd.host.paths import HostRoot
 from kvcd.host.pylibs import check_settings, locate
 
@@ -73,8 +74,9 @@ _OK, _NO_IMAGE, _INVALID = 0, 1, 2
 
 def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -> int:
     """check-config of one instance: its config, its modules' owner, its plan. Printed; _OK,
-    _INVALID (a config kvcd refuses, or no plan for this node), or _NO_IMAGE (a valid config
-    whose archive cannot be read now: the daemon waits for it, README "Air-gapped nodes")."""
+    _INVALID (a config kvcd refuses, no plan for this node, an archive that is no file), or
+    _NO_IMAGE (its archive is not there yet: the daemon waits for it, README "Air-gapped
+    nodes")."""
 
     root = node.root
     try:
@@ -108,10 +110,11 @@ def _check_one(node: _Node, settings: Settings, name: str, kernel: str | None) -
     for line in planned.describe():
         print(f"    {line}")
 
-    problem = archive_problem(planned)
-    if problem:
-        print(f"  {name}: NO IMAGE: {problem}")
-    return _NO_IMAGE if problem else _OK
+    unreadable = archive_problem(planned)
+    if unreadable is None:
+        return _OK
+    print(f"  {name}: NO IMAGE: {files.os_error(unreadable)}")
+    return _NO_IMAGE if isinstance(unreadable, FileNotFoundError) else _INVALID
 
 
 def _neighbours(node: _Node, cfg: InstanceConfig) -> tuple[str, list[str]]:

@@ -231,15 +231,15 @@ def client(settings: Settings) -> PodmanChild:
     return PodmanChild(settings.podman_socket, image_timeout=settings.image_timeout)
 
 
-def archive_problem(planned: Plan) -> str:
-    """check-config: why an archive the plan loads (image_archive) cannot be read now; ""."""
+def archive_problem(planned: Plan) -> OSError | None:
+    """check-config: why an archive the plan loads (image_archive) cannot be read now."""
     for a in planned.actions:
         if isinstance(a, act.AcquireImage) and a.archive:
             try:
                 files.open_input(Path(a.archive)).close()
             except OSError as exc:
-                return files.os_error(exc)
-    return ""
+                return exc
+    return None
 
 
 def import_command(root: HostRoot, name: str, archive: str, kernel: str | None) -> int:

@@ -218,6 +218,9 @@ def test_check_config_says_no_image_for_an_archive_not_there_yet_and_exits_1(
     assert run(root, "check-config", "--all", "--kernel", K) == 2  # the worst of the two
     capsys.readouterr()
     (root.instance_dirs()[0] / "bad.toml").unlink()
+    archive.mkdir()  # no file: a path to mend
+    assert run(root, "check-config", "e2e", "--kernel", K) == 2
+    archive.rmdir()
     archive.write_bytes(b"an archive")
     assert run(root, "check-config", "e2e", "--kernel", K) == 0
 
