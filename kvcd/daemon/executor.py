@@ -235,6 +235,9 @@ class Executor:
             )
         modules: dict[str, store.StoredModule] = {}
         for name, path in sorted(by_name.items()):
+            rel = str(path.relative_to(dest))
+            if not store.tree_name(rel):  # one its manifest could not name (read back: damaged)
+                raise StepFailed(state.EXTRACT_FAILED, f"{a.tag}: refusing module file {rel!r}")
             try:
                 info = modfiles.modinfo(path)
             except kmod.KmodError as exc:
@@ -247,7 +250,7 @@ class Executor:
                     f"not {a.kernel}",
                 )
             modules[name] = store.StoredModule(
-                file=str(path.relative_to(dest)),
+                file=rel,
                 sha256=store.digest(path),
                 mode=path.stat().st_mode & 0o7777,
                 srcversion=_first(info, "srcversion"),

@@ -460,6 +460,28 @@ def test_a_full_disk_while_extracting_is_a_transient_host_error_that_leaves_noth
     assert rec is not None and rec.state == state.DEGRADED and rec.code == state.HOST_ERROR
 
 
+def test_a_module_file_its_manifest_could_not_name_is_refused_at_extraction(
+    host: HostRoot, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path with a control character (or over 255 characters) would be written into the
+    manifest and read back as damaged, the tree extracted again at every look: refused once."""
+    pod = FakePodman(host, K)
+    real = pod.extract
+
+    def extract(ref: str, path: str, dest: Path, patterns: Any = ()) -> list[Path]:
+        found = real(ref, path, dest, patterns)
+        odd = dest / "sub\x1b[31m" / found[1].name
+        odd.parent.mkdir()
+        found[1].rename(odd)
+        return [found[0], odd]
+
+    monkeypatch.setattr(pod, "extract", extract)
+    with pytest.raises(StepFailed) as err:
+        instance(host, pod).apply("load")
+    assert err.value.code == state.EXTRACT_FAILED
+    assert "refusing module file 'sub\\x1b[31m/kvcd_user.ko'" in err.value.detail
+
+
 def test_image_without_the_configured_module_is_refused(host: HostRoot) -> None:
     pod = FakePodman(host, K)
     cfg = config(host)
