@@ -40,9 +40,13 @@ CLIENTS = (
     "pydbus",
     "gi",
 )
-# What the status path stopped importing in #20: commands, sockets, the module tree machinery.
+# What the status path stopped importing in #20: commands, sockets, the module tree machinery,
+# and shutil with its compression modules (argparse asked it for the terminal's width).
 STATUS_EXTRA = (
     "subprocess",
+    "shutil",
+    "bz2",
+    "lzma",
     "socket",
     "secrets",
     "difflib",
