@@ -62,29 +62,35 @@ def reading(pid: int) -> dict[str, float]:
 
 
 def settled(
-    d: Daemon, log: Path, settle: float, env: dict[str, str] | None = None
-) -> dict[str, float]:
-    """Start `kvcd run` (its stderr appended to `log`), wait for Done and `settle` seconds
-    more, read it, stop it."""
+    d: Daemon, log: Path, settle: float, python_flags: tuple[str, ...] = ()
+) -> tuple[dict[str, float], int]:
+    """Start `kvcd run` (its stderr appended to `log`, `python_flags` on its interpreter's
+    command line), wait for Done and `settle` seconds more, read it, stop it. Also how long
+    `log` was when it was read: what the daemon wrote later (as it exits) is not in the figure."""
+    python, *rest = d.cli
     with open(log, "a") as err:
         proc = subprocess.Popen(
-            [*d.cli, "run", d.name], env=env or d.env, stdout=subprocess.DEVNULL, stderr=err
+            [python, *python_flags, *rest, "run", d.name],
+            env=d.env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
     try:
         d.wait(lambda s: done(s) and s.get("pid") == proc.pid, "the daemon to reach Done", 600)
         time.sleep(settle)
         if proc.poll() is not None:
             sys.exit(f"the daemon exited ({proc.returncode}): see {log}")
-        return reading(proc.pid)
+        return reading(proc.pid), log.stat().st_size
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
-def imported(log: Path) -> list[str]:
-    """The modules a process imported, in order, from its `-X importtime` lines on stderr."""
+def imported(log: Path, upto: int) -> list[str]:
+    """The modules a process imported, in order, from its `-X importtime` lines on stderr (the
+    first `upto` bytes of it)."""
     out = []
-    for line in log.read_text().splitlines():
+    for line in log.read_bytes()[:upto].decode(errors="replace").splitlines():
         if line.startswith("import time:") and line.count("|") == 2:
             name = line.rsplit("|", 1)[1].strip()
             if name != "package":  # the header line
@@ -182,16 +188,19 @@ def main(argv: list[str] | None = None) -> None:
         try:
             d = Daemon(root, NAME, env, python)
             log = Path(tmp) / "daemon.log"
-            first = settled(d, log, args.settle)
-            # The cached start names what it imports (-X importtime, on its stderr): the peer
-            # below imports the same modules.
+            first, _ = settled(d, log, args.settle)
+            # The cached start names what it had imported when it was read (-X importtime, on
+            # its stderr): the peer below imports the same modules. A flag, not the
+            # environment's PYTHONPROFILEIMPORTTIME, which its children (the metrics writer)
+            # would inherit, and whose modules (prometheus_client's http.server, email, ssl)
+            # the daemon never imports.
             names = Path(tmp) / "imports.log"
-            cached = settled(d, names, args.settle, {**d.env, "PYTHONPROFILEIMPORTTIME": "1"})
+            cached, upto = settled(d, names, args.settle, ("-X", "importtime"))
         finally:
             stop()
         bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         floor = floor_mib(python, bare)
-        modules = imported(names)
+        modules = imported(names, upto)
         std = [m for m in modules if m.split(".")[0] in sys.stdlib_module_names]
         alone = imports_alone(python, bare, modules)
         alone_std = imports_alone(python, bare, std)

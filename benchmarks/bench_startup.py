@@ -13,7 +13,8 @@ generated method is compiled with exec at import); and what it imports beyond th
 imports, and the biggest cumulative entries (in the JSON's raw). And a second peer, timed in
 the same rounds: a bare interpreter importing the verb's other modules (the standard library's
 and third parties', not kvcd's), so the table shows how much of the start is the language and
-its libraries.
+its libraries; and a third: a bare interpreter importing only json and tomllib, the parsers of
+the formats the verbs read, the least any Python implementation of them imports.
 
 Scratch roots (--root): status and check-config run on N instances, each with a recorded state
 and loaded modules in a fake /sys/module (the work `kvcd status` really does: config listing,
@@ -197,6 +198,13 @@ def stdlib_peer(py: str, modules: list[str]) -> list[str]:
     return [py, "-c", body]
 
 
+# The least any implementation of these verbs imports: the parsers of the formats they read
+# (instance files and kvcd.toml are TOML, records JSON), and nothing else. Its ratio to the peer
+# is the lowest a verb written in Python can reach on this machine.
+FORMATS = "json, tomllib"
+FORMATS_ARGV = ["-c", "import json\ntry:\n import tomllib\nexcept ImportError:\n import tomli"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--instances", type=int, default=20)
@@ -228,14 +236,21 @@ def main() -> None:
             times: list[float] = []
             peers: list[float] = []
             libs: list[float] = []
+            formats: list[float] = []
             timed_run(argv, env, tmp)  # warm the page cache and the .pyc files
             peak, peer_peak = peak_rss_kib(argv, env, tmp), peak_rss_kib(peer_argv, env, tmp)
             for i in range(args.runs):
-                order = [(argv, times), (peer_argv, peers), (libs_argv, libs)]
+                order = [
+                    (argv, times),
+                    (peer_argv, peers),
+                    (libs_argv, libs),
+                    ([py, *FORMATS_ARGV], formats),
+                ]
                 for cmd, into in order if i % 2 else reversed(order):
                     into.append(timed_run(cmd, env, tmp))
             ms, peer_ms = statistics.median(times) * 1000, statistics.median(peers) * 1000
             libs_ms = statistics.median(libs) * 1000
+            formats_ms = statistics.median(formats) * 1000
             ratio = ms / peer_ms
             figures += [
                 Figure(
@@ -268,6 +283,16 @@ def main() -> None:
                     PEER,
                     round(libs_ms / peer_ms, 2),
                 ),
+                Figure(
+                    f"{name} (the formats' parsers alone, {FORMATS}: the floor of any verb "
+                    "in Python, median wall)",
+                    round(formats_ms, 1),
+                    "ms",
+                    "",
+                    None,
+                    PEER,
+                    round(formats_ms / peer_ms, 2),
+                ),
             ]
             figures.append(
                 Figure(
@@ -286,6 +311,7 @@ def main() -> None:
                 "peer_wall": summary(peers),
                 "peer_ms": round(peer_ms, 1),
                 "other_modules_wall": summary(libs),
+                "formats_wall": summary(formats),
                 "imports": imp,
                 "dataclasses": {"count": classes, "ms": round(classes_ms, 1)},
             }
