@@ -29,7 +29,7 @@ from kvcd.core.ahead import FAILED, NONE, PREPARING, READY, Outcome, not_held
 from kvcd.core.metrics import NEXT_KERNEL
 from kvcd.core.plan import plan_load
 from kvcd.core.state import DONE
-from kvcd.daemon import imagelabels, metrics, storegc
+from kvcd.daemon import metrics, storegc
 from kvcd.daemon.events import SKIP, Context, Event, Extension, Verdict
 from kvcd.daemon.observe import desired_for, observe
 from kvcd.daemon.record import Record, writing
@@ -108,6 +108,13 @@ def _default_podman(settings: Settings) -> Callable[[], PodmanApi]:
         return client(settings)
 
     return make
+
+
+# A next kernel recorded as not ready when a daemon starts, and the reason its hold gives.
+_HELD_AT_START = {
+    FAILED: "it failed before this start; kvcd status says why",
+    PREPARING: "the daemon before this start was stopped while it prepared it",
+}
 
 
 class NextKernel(Extension):
@@ -190,18 +197,21 @@ class NextKernel(Extension):
         """inhibit_reboot: a failure the record keeps (from the set before a reload that changed
         the config, or the daemon before this one) holds the reboot from the start, not only
         once it has failed again: the fix (`systemctl reload` with a mended driver) does not let
-        a reboot through while it is built. Its preparation releases it when it succeeds."""
+        a reboot through while it is built. Its preparation releases it when it succeeds.
+        So does a "preparing" the record keeps: the daemon before was killed while it built
+        (a stop writes it failed, `unfinished`), so that kernel is not ready either."""
         if self.inhibitor is None:
             return
         try:
             rec = Record.load(ctx.root, ctx.name)  # no side effect: the reconcile reads it too
         except OSError:  # refused or damaged: said elsewhere (and the extension must start)
             return
-        if rec is None or rec.next_kernel in ("", ctx.kernel) or rec.next_kernel_state != FAILED:
+        if rec is None or rec.next_kernel in ("", ctx.kernel):
             return
         # Not the recorded reason: it may carry the last daemon's "reboot not held" note.
-        why = "it failed before this start; kvcd status says why"
-        self.hold_reboot(ctx, Outcome(rec.next_kernel, FAILED, why))
+        why = _HELD_AT_START.get(rec.next_kernel_state)
+        if why is not None:
+            self.hold_reboot(ctx, Outcome(rec.next_kernel, FAILED, why))
 
     def stop(self) -> None:
         if self.watcher is not None:
@@ -420,30 +430,12 @@ class NextKernel(Extension):
         keep = self.outcome.kernel if self.outcome is not None else None
         fields = {**ctx.fields, "KVCD_INSTANCE": ctx.name}
         try:
-            storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None, self._release(ctx))
+            release = storegc.releaser(ctx.name, self.podman, ctx.fields)
+            storegc.collect(ctx.root, ctx.cfg, ctx.kernel, keep or None, release)
         except files.FileError as exc:  # expected: a symlink or FIFO where kvcd keeps its files
             log.error("store clean-up failed: %s", exc, extra=fields)
         except Exception:  # clean-up must never take the daemon down
             log.exception("store clean-up failed", extra=fields)
-
-    def _release(self, ctx: Context) -> Callable[[set[str]], list[str]]:
-        """What gives back the images of the trees the clean-up removes (imagelabels.release);
-        podman's failure is logged, the trees go all the same."""
-
-        def release(tags: set[str]) -> list[str]:
-            from kvcd.host.podtypes import PodmanError, PodmanUnavailable
-
-            try:
-                client = self.podman()
-                try:
-                    return imagelabels.release(client, ctx.name, tags)
-                finally:
-                    client.close()
-            except (PodmanError, PodmanUnavailable) as exc:
-                log.warning("images of removed trees kept: %s", exc, extra=ctx.fields)
-                return []
-
-        return release
 
 
 def _ready_already(ctx: Context, kernel: str) -> bool:

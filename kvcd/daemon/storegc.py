@@ -12,16 +12,20 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvcd.config.loader import list_instances
 from kvcd.config.model import ConfigError, InstanceConfig
 from kvcd.core import storegc
-from kvcd.daemon import driftstore, store
+from kvcd.daemon import driftstore, imagelabels, store
 from kvcd.host import files, kmod, modtree, rpmostree
 from kvcd.host.paths import HostRoot
+
+if TYPE_CHECKING:
+    from kvcd.host.podtypes import PodmanApi
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,28 @@ def collect(
     for line in released:
         log.info("store clean-up: %s", line, extra=fields)
     return removed + released
+
+
+def releaser(
+    name: str, podman: Callable[[], PodmanApi], fields: Mapping[str, str]
+) -> Callable[[set[str]], list[str]]:
+    """`collect`'s `release`: gives back the images of the trees it removed
+    (imagelabels.release); podman's failure is logged, and the trees go all the same."""
+
+    def release(tags: set[str]) -> list[str]:
+        from kvcd.host.podtypes import PodmanError, PodmanUnavailable
+
+        try:
+            client = podman()
+            try:
+                return imagelabels.release(client, name, tags)
+            finally:
+                client.close()
+        except (PodmanError, PodmanUnavailable) as exc:
+            log.warning("images of removed trees kept: %s", exc, extra=fields)
+            return []
+
+    return release
 
 
 def _links(kdir: Path) -> set[str]:

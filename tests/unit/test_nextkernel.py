@@ -951,6 +951,7 @@ def test_inhibit_reboot_holds_while_the_next_kernel_failed(
 
 
 AGAIN = "it failed before this start; kvcd status says why"
+CUT = "the daemon before this start was stopped while it prepared it"
 
 
 @pytest.mark.parametrize(
@@ -964,16 +965,22 @@ AGAIN = "it failed before this start; kvcd status says why"
             (B, FAILED, "BuildFailed; reboot not held (inhibit_reboot = true): no logind"),
             [f"hold kvcd@e2e is not ready for kernel {B}: {AGAIN}"],
         ),
+        # A daemon killed while it built (SIGKILL, the OOM killer, a power cut) writes no
+        # "stopped before preparing finished": the record still says preparing.
+        ((B, PREPARING, ""), [f"hold kvcd@e2e is not ready for kernel {B}: {CUT}"]),
         ((B, READY, "built"), []),
         ((A, FAILED, "recorded before the reboot into it"), []),
+        ((A, PREPARING, ""), []),
         (("", "", ""), []),
         (None, []),
     ],
     ids=[
         "failed: held from the start",
         "the last daemon's not-held note is not the reason",
+        "preparing when the daemon before was killed: held from the start",
         "ready: nothing",
         "the running kernel: nothing",
+        "the running kernel, preparing: nothing",
         "none",
         "a refused record (a symlink): nothing held, and the extension starts",
     ],
