@@ -213,6 +213,7 @@ class SlowBuild(QuietHandler):
 
     building = threading.Event()
     hung_up = threading.Event()
+    builds = 0  # build requests received
 
     def do_GET(self) -> None:
         if self.path.split("?")[0].endswith("/images/json"):
@@ -221,6 +222,7 @@ class SlowBuild(QuietHandler):
             self.reply(404, b'{"message": "no such image"}')
 
     def do_POST(self) -> None:
+        SlowBuild.builds += 1
         while True:  # the chunked context, to its last chunk
             size = int(self.rfile.readline().strip() or b"0", 16)
             self.rfile.read(size + 2)
@@ -247,14 +249,19 @@ class SlowBuild(QuietHandler):
 
 
 @contextmanager
-def slow_build(daemon: Daemon, tmp_path: Path, policy: str = "if-idle") -> Iterator[None]:
+def slow_build(
+    daemon: Daemon, tmp_path: Path, policy: str = "if-idle", settings: str = ""
+) -> Iterator[None]:
     """kvcd run started on an instance whose build, served by SlowBuild, has printed its one
-    line and is silent now."""
+    line and is silent now. `settings`: more lines of kvcd.toml."""
     sock = tmp_path / "podman.sock"
     SlowBuild.building.clear()
     SlowBuild.hung_up.clear()
+    SlowBuild.builds = 0
     with serving(sock, SlowBuild):
-        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(f'podman_socket = "unix://{sock}"\n')
+        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(
+            f'podman_socket = "unix://{sock}"\n{settings}'
+        )
         ctx = tmp_path / "ctx"
         ctx.mkdir()
         (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
@@ -283,6 +290,40 @@ def test_a_silent_build_pushes_the_start_timeout_out(daemon: Daemon, tmp_path: P
         assert "READY=1" not in "".join(daemon.messages)
         daemon.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         assert daemon.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+
+
+def test_a_build_past_image_timeout_is_degraded_and_not_started_again(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """README's time limit: a build silent for image_timeout (here the one a reload to a new
+    version needs) is BuildFailed with the limit in its reason, kvcd hangs up, and the running
+    daemon does not start the build again by itself (podman runs the step it did not stop on):
+    not after the first back-off delays (2 s, 4 s) either."""
+    sock = tmp_path / "podman.sock"
+    SlowBuild.building.clear()
+    SlowBuild.hung_up.clear()
+    SlowBuild.builds = 0
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
+    with serving(sock, SlowBuild):
+        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(
+            f'podman_socket = "unix://{sock}"\nimage_timeout = 1\n'
+        )
+        daemon.start()  # 1.0 is in the store: loaded without podman
+        daemon.messages_until("READY=1")
+        text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
+        fakehost.write_config(daemon.root, "e2e", text)
+        out = daemon.cli("reload", "e2e")
+        assert out.returncode == 1, out.stdout + out.stderr
+        st = daemon.status()
+        assert str(st["reason"]).startswith("BuildFailed: "), st
+        assert "did not finish within image_timeout = 1 s (kvcd.toml)" in str(st["reason"]), st
+        assert SlowBuild.hung_up.wait(10), "kvcd did not hang up on the build"
+        time.sleep(7)
+        assert SlowBuild.builds == 1
+        assert daemon.proc is not None and daemon.proc.poll() is None  # still serving
+    assert daemon.status()["attempt"]["outcome"] == "permanent"  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
