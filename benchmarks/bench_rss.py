@@ -190,10 +190,10 @@ def main(argv: list[str] | None = None) -> None:
             log = Path(tmp) / "daemon.log"
             first, _ = settled(d, log, args.settle)
             # The cached start names what it had imported when it was read (-X importtime, on
-            # its stderr): the peer below imports the same modules. A flag, not the
-            # environment's PYTHONPROFILEIMPORTTIME, which its children (the metrics writer)
-            # would inherit, and whose modules (prometheus_client's http.server, email, ssl)
-            # the daemon never imports.
+            # its stderr, cut there: as it exits it imports prometheus_client, whose
+            # http.server, email and ssl it never holds while it runs). A flag, not the
+            # environment's PYTHONPROFILEIMPORTTIME, which its children would inherit: the
+            # podman helper's stderr is the daemon's.
             names = Path(tmp) / "imports.log"
             cached, upto = settled(d, names, args.settle, ("-X", "importtime"))
         finally:

@@ -13,8 +13,11 @@ generated method is compiled with exec at import); and what it imports beyond th
 imports, and the biggest cumulative entries (in the JSON's raw). And a second peer, timed in
 the same rounds: a bare interpreter importing the verb's other modules (the standard library's
 and third parties', not kvcd's), so the table shows how much of the start is the language and
-its libraries; and a third: a bare interpreter importing only json and tomllib, the parsers of
-the formats the verbs read, the least any Python implementation of them imports.
+its libraries; and a third: a bare interpreter importing only json and tomllib (tomli before
+3.11), the parsers of the formats status and check-config cannot do without (instance files
+and kvcd.toml are TOML, records JSON), the least any Python implementation of them imports.
+capabilities needs the TOML parser for kvcd.toml's pins, when there is a kvcd.toml, and JSON
+for --json.
 
 Scratch roots (--root): status and check-config run on N instances, each with a recorded state
 and loaded modules in a fake /sys/module (the work `kvcd status` really does: config listing,
@@ -198,9 +201,9 @@ def stdlib_peer(py: str, modules: list[str]) -> list[str]:
     return [py, "-c", body]
 
 
-# The least any implementation of these verbs imports: the parsers of the formats they read
-# (instance files and kvcd.toml are TOML, records JSON), and nothing else. Its ratio to the peer
-# is the lowest a verb written in Python can reach on this machine.
+# The least any implementation of status and check-config imports: the parsers of the formats
+# they read (instance files and kvcd.toml are TOML, records JSON), and nothing else. Its ratio to
+# the peer is the lowest such a verb written in Python can reach on this machine.
 FORMATS = "json, tomllib"
 FORMATS_ARGV = ["-c", "import json\ntry:\n import tomllib\nexcept ImportError:\n import tomli"]
 
@@ -284,8 +287,8 @@ def main() -> None:
                     round(libs_ms / peer_ms, 2),
                 ),
                 Figure(
-                    f"{name} (the formats' parsers alone, {FORMATS}: the floor of any verb "
-                    "in Python, median wall)",
+                    f"{name} (the formats' parsers alone, {FORMATS}: the floor of a status in "
+                    "Python, median wall)",
                     round(formats_ms, 1),
                     "ms",
                     "",

@@ -39,8 +39,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _columns() -> int:
-    """The terminal's width as shutil.get_terminal_size tells it: $COLUMNS, else stdout's
-    terminal, else 80."""
+    """The terminal's width as shutil.get_terminal_size (3.11+) tells it: $COLUMNS, else
+    stdout's terminal, else 80 (older shutil gives 0 for a terminal that reports no width)."""
     try:
         columns = int(os.environ.get("COLUMNS", "0"))
     except ValueError:
@@ -51,7 +51,7 @@ def _columns() -> int:
             columns = os.get_terminal_size(out.fileno()).columns
         except (ValueError, OSError):
             columns = 0
-    return columns or 80
+    return columns if columns > 0 else 80
 
 
 _PURGE = "stop, unload and remove everything kvcd keeps for an instance"

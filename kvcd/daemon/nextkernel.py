@@ -113,7 +113,7 @@ def _default_podman(settings: Settings) -> Callable[[], PodmanApi]:
 # A next kernel recorded as not ready when a daemon starts, and the reason its hold gives.
 _HELD_AT_START = {
     FAILED: "it failed before this start; kvcd status says why",
-    PREPARING: "the daemon before this start was stopped while it prepared it",
+    PREPARING: "its preparation had not finished before this start",
 }
 
 
@@ -199,7 +199,8 @@ class NextKernel(Extension):
         once it has failed again: the fix (`systemctl reload` with a mended driver) does not let
         a reboot through while it is built. Its preparation releases it when it succeeds.
         So does a "preparing" the record keeps: the daemon before was killed while it built
-        (a stop writes it failed, `unfinished`), so that kernel is not ready either."""
+        (a stop writes it failed, `unfinished`), or a reload rebuilt the set between the
+        announcement and the build; that kernel is not ready either."""
         if self.inhibitor is None:
             return
         try:

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -430,18 +431,22 @@ def test_reload_timeout_takes_fractions() -> None:
     assert cli._parser().parse_args(["reload", "e2e", "--timeout", "0.5"]).timeout == 0.5
 
 
+@pytest.mark.parametrize("stdout", ["kept", "closed"])
 @pytest.mark.parametrize("columns", ["50", "200", "0", "-3", "wide", None])
 def test_help_is_as_wide_as_argparse_would_make_it(
-    columns: str | None, monkeypatch: pytest.MonkeyPatch
+    columns: str | None, stdout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kvcd tells argparse the width itself, as shutil would ($COLUMNS, else the terminal, else
-    80), because importing shutil costs every start ~2 ms."""
+    80), because importing shutil costs every start ~2 ms. "closed": started with no stdout
+    (`kvcd --help >&-`), where Python sets sys.__stdout__ to None."""
     import shutil
 
     if columns is None:
         monkeypatch.delenv("COLUMNS", raising=False)
     else:
         monkeypatch.setenv("COLUMNS", columns)
+    if stdout == "closed":
+        monkeypatch.setattr(sys, "__stdout__", None)
     width = shutil.get_terminal_size().columns - 2  # what argparse does when not told
     parser = cli._parser()
     assert parser._get_formatter()._width == width

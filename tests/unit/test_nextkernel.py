@@ -951,7 +951,7 @@ def test_inhibit_reboot_holds_while_the_next_kernel_failed(
 
 
 AGAIN = "it failed before this start; kvcd status says why"
-CUT = "the daemon before this start was stopped while it prepared it"
+CUT = "its preparation had not finished before this start"
 
 
 @pytest.mark.parametrize(
