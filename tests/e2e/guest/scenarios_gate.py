@@ -18,6 +18,10 @@ the kABI shortcut (weak-updates) cannot hide the broken build.
 (o3) Fixed (version 2.0, `systemctl reload`): "e2e-gate: <second> preparing" on the node while
      it builds (the gate closed), then prepared, the label back to true, the reason gone, the
      inhibitor released; `kvcd prepare --kernel <second>` says ready.
+(o4) A daemon killed (SIGKILL: the OOM killer) while it prepares version 3.0 for the second
+     kernel leaves "preparing" in its record, which no stop turned into "failed": the daemon
+     systemd restarts holds the reboot from its start (its own inhibitor, before its first look),
+     and lets go once it has prepared that kernel itself.
 
 The boot configuration, kvcd.toml and e2e-kmod are put back as they were found.
 """
@@ -42,6 +46,7 @@ from kvcdguest import (
     proc_modules,
     set_grub_default,
     sh,
+    unit_prop,
     wait_for,
 )
 
@@ -188,3 +193,34 @@ def test_o3_fixed_the_gate_opens_and_the_reboot_is_free() -> None:
     wait_for(lambda: not inhibitors(), 60, "the inhibitor to go")
     p = sh(["kvcd", "prepare", NAME, "--kernel", KVER2], timeout=BUILD_TIMEOUT)
     assert p.stdout.startswith(f"{NAME}: ready for {KVER2}: built for {KVER2}"), p.stdout
+
+
+def test_o4_a_daemon_killed_while_it_prepares_holds_the_reboot_from_its_restart() -> None:
+    write_instance("3.0", context("3.0", (KVER1, KVER2)))
+    sh(["systemctl", "reload", UNIT], timeout=BUILD_TIMEOUT)
+    # Announced (the record says "preparing"), and the build some 20 s under TCG: killed in it.
+    wait_for(
+        lambda: f"{NAME}: {KVER2} preparing" in (node()[1] or ""),
+        BUILD_TIMEOUT,
+        "preparing on the node",
+        interval=0.2,
+    )
+    killed = unit_prop("MainPID", UNIT)
+    sh(["systemctl", "kill", "--signal=KILL", UNIT])
+    # Restart=on-failure, RestartSec=30s. The new daemon's own lock, for the second kernel, from
+    # its start: before, it held nothing while it prepared that kernel again.
+    pid = wait_for(
+        lambda: unit_prop("MainPID", UNIT) not in ("", "0", killed) and unit_prop("MainPID", UNIT),
+        BUILD_TIMEOUT,
+        "the unit's restart",
+        interval=0.2,
+    )
+    held = wait_for(
+        lambda: [line for line in inhibitors() if f" {pid} " in f" {line} "],
+        120,
+        "the restarted daemon's shutdown inhibitor",
+        interval=0.2,
+    )
+    assert any(f"kvcd@{NAME} is not ready for kernel {KVER2}" in line for line in held), held
+    wait_for(lambda: node() == ("true", None), BUILD_TIMEOUT, "the gate to open")
+    wait_for(lambda: not inhibitors(), 60, "the inhibitor to go")
