@@ -249,18 +249,28 @@ class SlowBuild(QuietHandler):
 
 
 @contextmanager
-def slow_build(daemon: Daemon, tmp_path: Path, policy: str = "if-idle") -> Iterator[None]:
-    """kvcd run started on an instance whose build, served by SlowBuild, has printed its one
-    line and is silent now."""
+def slow_podman(daemon: Daemon, tmp_path: Path, settings: str = "") -> Iterator[str]:
+    """A podman API served by SlowBuild, named in kvcd.toml (with `settings`, more of its
+    lines); yields the instance config of a version 3.0 that only a build can give."""
     sock = tmp_path / "podman.sock"
     SlowBuild.building.clear()
     SlowBuild.hung_up.clear()
+    SlowBuild.builds = 0
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
     with serving(sock, SlowBuild):
-        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(f'podman_socket = "unix://{sock}"\n')
-        ctx = tmp_path / "ctx"
-        ctx.mkdir()
-        (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
-        text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
+        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(
+            f'podman_socket = "unix://{sock}"\n{settings}'
+        )
+        yield CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
+
+
+@contextmanager
+def slow_build(daemon: Daemon, tmp_path: Path, policy: str = "if-idle") -> Iterator[None]:
+    """kvcd run started on an instance whose build, served by SlowBuild, has printed its one
+    line and is silent now."""
+    with slow_podman(daemon, tmp_path) as text:
         fakehost.write_config(daemon.root, "e2e", f'unload_policy = "{policy}"\n' + text)
         daemon.start()
         assert SlowBuild.building.wait(60), daemon.stderr_path.read_text()[-3000:]
@@ -294,20 +304,9 @@ def test_a_build_past_image_timeout_is_degraded_and_not_started_again(
     version needs) is BuildFailed with the limit in its reason, kvcd hangs up, and the running
     daemon does not start the build again by itself once the reload has answered (podman runs
     the step it did not stop on): not after the first back-off delays (2 s, 4 s) either."""
-    sock = tmp_path / "podman.sock"
-    SlowBuild.building.clear()
-    SlowBuild.hung_up.clear()
-    SlowBuild.builds = 0
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "Containerfile").write_text("FROM scratch\nRUN make\n")
-    with serving(sock, SlowBuild):
-        (daemon.root("/etc/kvcd") / "kvcd.toml").write_text(
-            f'podman_socket = "unix://{sock}"\nimage_timeout = 1\n'
-        )
+    with slow_podman(daemon, tmp_path, "image_timeout = 1\n") as text:
         daemon.start()  # 1.0 is in the store: loaded without podman
         daemon.messages_until("READY=1")
-        text = CONFIG.format(version="3.0").replace("/nonexistent/never/built", str(ctx))
         fakehost.write_config(daemon.root, "e2e", text)
         out = daemon.cli("reload", "e2e")
         assert out.returncode == 1, out.stdout + out.stderr

@@ -207,14 +207,14 @@ def test_o4_a_daemon_killed_while_it_prepares_holds_the_reboot_from_its_restart(
     )
     killed = unit_prop("MainPID", UNIT)
     sh(["systemctl", "kill", "--signal=KILL", UNIT])
+
+    def restarted() -> str:
+        pid = unit_prop("MainPID", UNIT)
+        return "" if pid in ("", "0", killed) else pid
+
     # Restart=on-failure, RestartSec=30s. The new daemon's own lock, for the second kernel, from
     # its start: before, it held nothing while it prepared that kernel again.
-    pid = wait_for(
-        lambda: unit_prop("MainPID", UNIT) not in ("", "0", killed) and unit_prop("MainPID", UNIT),
-        BUILD_TIMEOUT,
-        "the unit's restart",
-        interval=0.2,
-    )
+    pid = wait_for(restarted, BUILD_TIMEOUT, "the unit's restart", interval=0.2)
     held = wait_for(
         lambda: [line for line in inhibitors() if f" {pid} " in f" {line} "],
         120,
